@@ -1,0 +1,69 @@
+"""Typed errors. Every user-facing error names the culprit (op, column, key, file) and the fix.
+
+`PipelineError` collects every problem found by the checker and raises once with all of them,
+so a user fixes a pipeline in one round instead of one error at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "RLGraphError",
+    "Problem",
+    "PipelineError",
+    "DeclarationError",
+    "ConfigError",
+    "PlanError",
+    "PipelineLoadError",
+]
+
+
+class RLGraphError(Exception):
+    """Base of every error rlgraph raises on bad user input. The CLI prints these without a traceback."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found in a pipeline: a stable `code`, what is wrong, and how to fix it."""
+
+    code: str
+    message: str
+    fix: str
+    op: str | None = None
+    column: str | None = None
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}\n      fix: {self.fix}"
+
+
+class PipelineError(RLGraphError):
+    """A pipeline failed its checks. `problems` holds every problem found, not just the first."""
+
+    def __init__(self, problems: list[Problem], pipeline: str = "pipeline") -> None:
+        self.problems = list(problems)
+        self.pipeline = pipeline
+        n = len(self.problems)
+        lines = [f"{pipeline!r} has {n} problem{'s' if n != 1 else ''}:"]
+        lines += [f"  {i}. {p}" for i, p in enumerate(self.problems, 1)]
+        super().__init__("\n".join(lines))
+
+    @property
+    def codes(self) -> list[str]:
+        return [p.code for p in self.problems]
+
+
+class DeclarationError(RLGraphError, TypeError):
+    """An operator, column or worker group was declared wrongly (caught where it is declared)."""
+
+
+class ConfigError(RLGraphError, ValueError):
+    """A config override is malformed, names an unknown key, or has a value of the wrong type."""
+
+
+class PlanError(RLGraphError, ValueError):
+    """A plan file is malformed, from another plan-format version, or not a plan at all."""
+
+
+class PipelineLoadError(RLGraphError):
+    """A PIPELINE argument (file or module:attr) could not be loaded or is not a Pipeline."""

@@ -1,0 +1,1 @@
+"""Declare, build, check, compile and draw pipelines. Nothing here starts Ray."""

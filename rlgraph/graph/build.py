@@ -1,0 +1,135 @@
+"""Pass 1, build: resolve the config and turn a `Pipeline` into a networkx DAG.
+
+One node per op plus one for the data source; one edge per column from its producer to each
+consumer. Edges of state columns (policy weights from update back to generate) are kept with
+``kind="state"``: they cross from step t to step t+1, so the cycle check ignores them.
+Building never raises on a bad pipeline: it records what it sees (several producers, missing
+producers) and the check pass turns that into problems.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import networkx as nx
+
+from rlgraph.errors import Problem
+from rlgraph.graph.columns import ColumnType
+from rlgraph.graph.config import Param, flatten, parse_overrides, resolve_config
+from rlgraph.graph.dsl import DATAPLANE_PARAMS, TRAINER_PARAMS, OpSpec, Pipeline
+
+__all__ = ["BuiltGraph", "config_schema", "build"]
+
+
+@dataclass(frozen=True)
+class BuiltGraph:
+    """The output of `build`: the pipeline, its resolved config and its graph."""
+
+    pipeline: Pipeline
+    config: Mapping[str, Any]  # flat, dotted keys, every schema key present
+    overrides: Mapping[str, str]
+    schema: Mapping[str, Param]
+    dag: nx.MultiDiGraph  # nodes: source name and op names; edges keyed by column
+    producers: Mapping[str, tuple[str, ...]]  # column -> every node that outputs it
+    column_types: Mapping[str, ColumnType]  # column -> type declared by its (first) producer
+    problems: tuple[Problem, ...] = field(default=())  # found while resolving config
+
+    @property
+    def source(self) -> str:
+        return self.pipeline.source.name
+
+    def spec(self, name: str) -> OpSpec:
+        return self.dag.nodes[name]["spec"]
+
+    def param(self, spec: OpSpec, key: str) -> Any:
+        return self.config[f"{spec.namespace}.{key}"]
+
+
+def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:
+    """Every config key of the pipeline with its `Param`, and clashes between namespaces."""
+    schema: dict[str, Param] = {}
+    owner: dict[str, str] = {}
+    problems: list[Problem] = []
+
+    def add(ns: str, params: Mapping[str, Param], who: str) -> None:
+        if ns in owner and owner[ns] != who:
+            problems.append(
+                Problem(
+                    "config-namespace",
+                    f"{who} and {owner[ns]} both put their params under config namespace {ns!r}",
+                    f"give one of them another config_key (e.g. config_key={ns + '_2'!r})",
+                    op=who.split("'")[1] if "'" in who else None,
+                )
+            )
+            return
+        owner[ns] = who
+        for k, p in params.items():
+            schema[f"{ns}.{k}"] = p
+
+    add(pipeline.source.name, pipeline.source.params, "the data source")
+    add("trainer", TRAINER_PARAMS, "the trainer")
+    add("dataplane", DATAPLANE_PARAMS, "the data plane")
+    add("cluster", pipeline.cluster.params(), "the cluster")
+    seen_groups: set[str] = set()
+    for g in pipeline.groups:
+        if g.name in seen_groups:
+            continue  # reported by the check pass
+        seen_groups.add(g.name)
+        add(f"groups.{g.name}", g.params(), f"worker group {g.name!r}")
+    for spec in pipeline.ops:
+        if spec.params:
+            add(spec.namespace, spec.params, f"op {spec.name!r}")
+    return schema, problems
+
+
+def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ()) -> BuiltGraph:
+    """Resolve config (defaults < pipeline.config < overrides) and build the column graph."""
+    raw = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
+    schema, problems = config_schema(pipeline)
+    config, cfg_problems = resolve_config(schema, flatten(pipeline.config), raw)
+    problems += cfg_problems
+
+    dag = nx.MultiDiGraph()
+    src = pipeline.source.name
+    dag.add_node(src, kind="source", source=pipeline.source)
+    for spec in pipeline.ops:
+        if spec.name in dag:
+            continue  # duplicate names: reported by the check pass
+        dag.add_node(spec.name, kind="op", spec=spec)
+
+    producers: dict[str, list[str]] = {}
+    types: dict[str, ColumnType] = {}
+    for col, ctype in pipeline.source.all_columns().items():
+        producers.setdefault(col, []).append(src)
+        types.setdefault(col, ctype)
+    for spec in pipeline.ops:
+        for col, ctype in spec.outputs.items():
+            producers.setdefault(col, []).append(spec.name)
+            types.setdefault(col, ctype)
+
+    for spec in pipeline.ops:
+        for col in spec.inputs:
+            for prod in dict.fromkeys(producers.get(col, ())):
+                kind = "state" if types[col].kind == "state" else "data"
+                dag.add_edge(prod, spec.name, key=col, column=col, kind=kind)
+    return BuiltGraph(
+        pipeline=pipeline,
+        config=config,
+        overrides=raw,
+        schema=schema,
+        dag=dag,
+        producers={k: tuple(v) for k, v in producers.items()},
+        column_types=types,
+        problems=tuple(problems),
+    )
+
+
+def data_dag(g: BuiltGraph) -> nx.DiGraph:
+    """The DAG of data edges only (state edges removed), collapsed to one edge per op pair."""
+    d = nx.DiGraph()
+    d.add_nodes_from(g.dag.nodes)
+    for u, v, attrs in g.dag.edges(data=True):
+        if attrs["kind"] == "data":
+            d.add_edge(u, v)
+    return d

@@ -1,0 +1,178 @@
+"""Pass 2, check: find every problem of a built graph, then raise one `PipelineError` with all.
+
+Each problem has a stable code (tests and docs refer to it), names the op or column, states
+both numbers when sizes conflict, and says the fix. The checks:
+
+==========================  ===============================================================
+code                        what it catches
+==========================  ===============================================================
+config-unknown-key          an override or config value for a key nobody declares
+config-type                 a config value of the wrong type, or outside its choices
+config-namespace            two ops (or an op and a built-in section) share a namespace
+op-duplicate                two ops with the same name
+op-no-group                 an op that names no worker group
+op-unknown-group            an op naming a worker group that is not declared
+group-duplicate             two worker groups with the same name
+group-unused                a worker group that runs no op (it would hold resources idle)
+column-missing              an input column that no op and not the data source produces
+column-duplicate-producer   a column produced by two ops (or an op and the data source)
+column-type-mismatch        producer and consumer disagree on dtype, shape or kind
+output-missing              a declared pipeline output that nothing produces
+cycle                       a dependency cycle through data columns
+granularity                 a per-sample or per-group op reads a column that exists only
+                            for the whole batch
+batching-granularity        an op with mini-batches that is not whole-batch
+group-size-conflict         more than one op defines the group size n
+mini-batch-too-large        mini-batch (prompts) larger than the batch
+resources                   a worker group needs more CPUs/GPUs than the cluster has
+placement                   pools do not fit on the cluster's nodes
+op-config                   an op's own validation of its params (e.g. GAE needs values)
+==========================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+
+import networkx as nx
+
+from rlgraph.errors import PipelineError, Problem
+from rlgraph.graph.build import BuiltGraph, data_dag
+
+__all__ = ["check", "find_problems"]
+
+
+def _close(name: str, options: list[str]) -> str:
+    m = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def find_problems(g: BuiltGraph) -> list[Problem]:
+    """Every problem of the built graph (config problems found while building included)."""
+    p = g.pipeline
+    problems: list[Problem] = list(g.problems)
+    add = problems.append
+    src = g.source
+
+    # Ops and groups --------------------------------------------------------------------------
+    for name, count in Counter(o.name for o in p.ops).items():
+        if count > 1:
+            add(Problem("op-duplicate", f"{count} ops are named {name!r}",
+                        "give each op a unique name, e.g. spec.with_(name='ref2')", op=name))
+    for name, count in Counter(gr.name for gr in p.groups).items():
+        if count > 1:
+            add(Problem("group-duplicate", f"worker group {name!r} is declared {count} times",
+                        "declare each worker group once and refer to it by name from several ops"))
+    group_names = [gr.name for gr in p.groups]
+    for o in p.ops:
+        if o.group is None:
+            add(Problem("op-no-group", f"op {o.name!r} has no worker group",
+                        f"pass group=... to op {o.name!r} naming one of: {', '.join(group_names) or '(none declared)'}",
+                        op=o.name))
+        elif o.group not in group_names:
+            add(Problem("op-unknown-group", f"op {o.name!r} names worker group {o.group!r}, which is not declared"
+                        + _close(o.group, group_names),
+                        f"add WorkerGroup({o.group!r}, ...) to the pipeline's groups, or use one of: "
+                        f"{', '.join(group_names) or '(none declared)'}", op=o.name))
+    used = {o.group for o in p.ops}
+    for gr in dict.fromkeys(group_names):
+        if gr not in used:
+            add(Problem("group-unused", f"worker group {gr!r} runs no op but would hold its resources",
+                        f"remove worker group {gr!r} or assign an op to it"))
+
+    # Columns ---------------------------------------------------------------------------------
+    op_names = [o.name for o in p.ops]
+    produced = list(g.producers)
+    for o in p.ops:
+        for col, want in o.inputs.items():
+            prods = g.producers.get(col, ())
+            if not prods:
+                if col in o.optional_inputs or want.kind == "state":
+                    continue
+                add(Problem("column-missing",
+                            f"op {o.name!r} reads column {col!r}, which no op and not the data source produces"
+                            + _close(col, produced),
+                            f"add an op that outputs {col!r}, add it to the data source's columns, or rename "
+                            f"the input", op=o.name, column=col))
+                continue
+            have = g.column_types[col]
+            why = have.compatible_with(want)
+            if why:
+                add(Problem("column-type-mismatch",
+                            f"column {col!r}: {prods[0]!r} writes {have.describe()} but {o.name!r} reads "
+                            f"{want.describe()} ({why})",
+                            f"declare the same dtype and shape on both sides (use '*' for a dimension the "
+                            f"consumer does not care about)", op=o.name, column=col))
+            elif o.granularity in ("sample", "group") and have.level == "batch" and have.kind == "data":
+                add(Problem("granularity",
+                            f"op {o.name!r} runs per {o.granularity} but reads column {col!r}, which "
+                            f"{prods[0]!r} produces once for the whole batch",
+                            f"make {o.name!r} granularity='batch', or have {prods[0]!r} emit {col!r} per sample",
+                            op=o.name, column=col))
+    for col, prods in g.producers.items():
+        if len(prods) > 1:
+            add(Problem("column-duplicate-producer",
+                        f"column {col!r} is produced by {len(prods)} nodes: {', '.join(repr(x) for x in prods)}",
+                        f"rename one of the outputs (each column has exactly one producer)", column=col))
+    for col in p.outputs:
+        if col not in g.producers:
+            add(Problem("output-missing", f"pipeline output {col!r} is produced by nothing" + _close(col, produced),
+                        f"remove {col!r} from outputs= or add an op that produces it", column=col))
+
+    # Cycles (data edges only: state edges cross steps) -----------------------------------------
+    d = data_dag(g)
+    for cyc in sorted(nx.simple_cycles(d), key=lambda c: (len(c), c))[:5]:
+        cols = []
+        for a, b in zip(cyc, cyc[1:] + cyc[:1]):
+            cols += [k for k, attrs in g.dag.get_edge_data(a, b).items() if attrs["kind"] == "data"][:1]
+        path = " -> ".join(cyc + cyc[:1])
+        add(Problem("cycle", f"dependency cycle {path} (through columns {', '.join(repr(c) for c in cols)})",
+                    "break the cycle: an op cannot depend on its own output within a step; if the value "
+                    "comes from the previous step, declare the column as state (T....state())",
+                    op=cyc[0]))
+
+    # Batching --------------------------------------------------------------------------------
+    sizers = [o for o in p.ops if o.group_size_param]
+    if len(sizers) > 1:
+        add(Problem("group-size-conflict",
+                    f"ops {', '.join(repr(o.name) for o in sizers)} each define the group size n",
+                    "let exactly one op (the generator) declare group_size_param"))
+    batch_size = g.config.get(f"{src}.batch_size")
+    for o in p.ops:
+        if o.batching and o.batching.mini_batch and o.granularity != "batch":
+            add(Problem("batching-granularity",
+                        f"op {o.name!r} splits the batch into mini-batches but runs per {o.granularity}",
+                        f"declare {o.name!r} with granularity='batch'", op=o.name))
+        if o.batching and o.batching.mini_batch and isinstance(batch_size, int):
+            mb = g.config.get(f"{o.namespace}.{o.batching.mini_batch}")
+            if isinstance(mb, int) and mb > batch_size:
+                add(Problem("mini-batch-too-large",
+                            f"op {o.name!r}: {o.namespace}.{o.batching.mini_batch}={mb} prompts is larger than "
+                            f"{src}.batch_size={batch_size}",
+                            f"set {o.namespace}.{o.batching.mini_batch} to at most {batch_size} "
+                            f"(or raise {src}.batch_size)", op=o.name))
+
+    # Op-specific validation ------------------------------------------------------------------
+    for o in p.ops:
+        if o.validate is None:
+            continue
+        params = {k: g.config.get(f"{o.namespace}.{k}") for k in o.params}
+        connected = frozenset(c for c in o.inputs if c in g.producers)
+        for prob in o.validate(params, connected):
+            add(prob if prob.op else Problem(prob.code, prob.message, prob.fix, op=o.name, column=prob.column))
+
+    # Resources -------------------------------------------------------------------------------
+    if not any(x.code == "config-type" for x in problems):
+        from rlgraph.graph.place import resource_problems
+
+        problems += resource_problems(g)
+    return problems
+
+
+def check(g: BuiltGraph) -> BuiltGraph:
+    """Return `g` unchanged if it has no problems, else raise `PipelineError` listing all of them."""
+    problems = find_problems(g)
+    if problems:
+        raise PipelineError(problems, g.pipeline.name)
+    return g

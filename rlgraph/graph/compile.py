@@ -1,0 +1,103 @@
+"""The compiler: a declared `Pipeline` plus overrides -> a checked, frozen `Plan`.
+
+    build -> check -> prune -> batch -> schedule -> place -> Plan
+
+Each pass is a pure function of the built graph (see its module); this one only runs them in
+order and assembles their results. Nothing here starts Ray or imports operator bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from rlgraph.graph.batching import batch, gated, op_batching
+from rlgraph.graph.build import BuiltGraph, build
+from rlgraph.graph.check import check
+from rlgraph.graph.config import nest
+from rlgraph.graph.dsl import Pipeline
+from rlgraph.graph.place import place
+from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan
+from rlgraph.graph.prune import prune
+from rlgraph.graph.schedule import mode_of, schedule
+
+__all__ = ["compile_pipeline", "plan_from_graph"]
+
+
+def _version() -> str:
+    from rlgraph import __version__
+
+    return __version__
+
+
+def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
+    """Run the passes after `check` on an already checked graph and assemble the plan."""
+    stored = prune(g)
+    batch_plan = batch(g)
+    sched, stage_of, concurrent = schedule(g)
+    groups, pools, cluster = place(g)
+
+    consumers: dict[str, list[str]] = {}
+    for _, dst, attrs in sorted(g.dag.edges(data=True), key=lambda e: (e[2]["column"], e[1])):
+        consumers.setdefault(attrs["column"], []).append(dst)
+    columns = {
+        col: ColumnPlan(
+            name=col, dtype=ct.dtype, shape=list(ct.shape), level=ct.level, kind=ct.kind,
+            producer=g.producers[col][0], consumers=consumers.get(col, []), stored=stored[col],
+        )
+        for col, ct in sorted(g.column_types.items())
+    }
+    edges = [
+        EdgePlan(src=u, dst=v, column=attrs["column"], kind=attrs["kind"])
+        for u, v, attrs in sorted(g.dag.edges(data=True), key=lambda e: (e[0], e[1], e[2]["column"]))
+    ]
+    ops = []
+    for o in g.pipeline.ops:
+        connected = [c for c in o.inputs if c in g.producers]
+        ops.append(OpPlan(
+            name=o.name,
+            impl=o.impl,
+            impl_file=o.impl_file,
+            group=o.group or "",
+            granularity=o.granularity,
+            inputs=[c for c in connected if g.column_types[c].kind != "state"],
+            state_inputs=[c for c in o.inputs if o.inputs[c].kind == "state"],
+            outputs=list(o.outputs),
+            params={k: g.param(o, k) for k in o.params},
+            config_key=o.namespace,
+            mode=mode_of(o.granularity),
+            stage=stage_of.get(o.name, 0),
+            concurrent_with=concurrent[o.name],
+            skip_before_step=gated(g, o),
+            batching=op_batching(g, o, batch_plan),
+            cost=o.cost,
+            doc=o.doc,
+        ))
+    return Plan(
+        rlgraph_version=_version(),
+        pipeline=g.pipeline.name,
+        pipeline_ref=pipeline_ref,
+        source_impl=g.pipeline.source.impl,
+        config=nest(g.config),
+        overrides=dict(g.overrides),
+        columns=columns,
+        ops=ops,
+        edges=edges,
+        groups=groups,
+        pools=pools,
+        batch=batch_plan,
+        schedule=sched,
+        cluster=cluster,
+    )
+
+
+def compile_pipeline(
+    pipeline: Pipeline,
+    overrides: Iterable[str] | Mapping[str, str] = (),
+    pipeline_ref: str | None = None,
+) -> Plan:
+    """Compile `pipeline` with ``key=value`` overrides into a `Plan`.
+
+    Raises `PipelineError` listing every problem found, or `ConfigError` for a malformed
+    override (one without ``=``).
+    """
+    return plan_from_graph(check(build(pipeline, overrides)), pipeline_ref)

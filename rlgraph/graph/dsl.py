@@ -1,0 +1,435 @@
+"""The declaration layer: operators, worker groups, the cluster, the data source, the pipeline.
+
+Everything here is immutable data. Declaring never runs anything: `@op` only attaches an
+`OpSpec` to the function (it returns the function unchanged, so it can still be called and
+tested directly), and `Pipeline(...)` only records what was declared. Checking happens in the
+compiler passes (`rlgraph.graph.check`), which collect every problem at once.
+
+An operator's signature is its declaration, Hamilton-style: positional parameters are input
+columns (named like the columns, typed by their annotations), keyword-only parameters are its
+config parameters (typed by their annotations, with their defaults), and a parameter called
+``ctx`` receives the `OpContext` at run time (rank, step, seed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+from rlgraph.errors import DeclarationError, Problem
+from rlgraph.graph.columns import ColumnType, T
+from rlgraph.graph.config import Param
+
+__all__ = [
+    "Granularity",
+    "Batching",
+    "OpSpec",
+    "op",
+    "op_spec",
+    "WorkerGroup",
+    "Cluster",
+    "DataSource",
+    "Pipeline",
+    "TRAINER_PARAMS",
+    "DATAPLANE_PARAMS",
+    "SYSTEM_COLUMNS",
+]
+
+Granularity = Literal["sample", "group", "batch"]
+GRANULARITIES = ("sample", "group", "batch")
+_CTX = "ctx"  # reserved parameter name: receives the OpContext
+
+# Columns every data source provides: the group id of a sample (all n samples of a prompt
+# share it; padding rows get fresh ones) and the padding tag.
+SYSTEM_COLUMNS: Mapping[str, ColumnType] = MappingProxyType(
+    {
+        "uid": T.int64(doc="group id: the n samples of one prompt share it; each padding row has its own"),
+        "is_padding": T.bool(doc="True for rows added to reach the padding multiple"),
+    }
+)
+
+TRAINER_PARAMS: Mapping[str, Param] = MappingProxyType(
+    {
+        "steps": Param(int, 10, "training steps to run", minimum=1),
+        "seed": Param(int, 0, "global seed; data order, sampling and shuffles derive from it"),
+        "critic_warmup": Param(int, 0, "steps that update only the critic; ops gated on it are skipped", minimum=0),
+        "val_every": Param(int, 0, "run validation every k steps (0: never)", minimum=0),
+        "save_every": Param(int, 0, "checkpoint every k steps (0: never)", minimum=0),
+        "schedule": Param(str, "stream", "stream: ops start on partial data; sync: a barrier after each stage",
+                          choices=("stream", "sync")),
+    }
+)
+
+DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(
+    {
+        "backend": Param(str, "transferqueue", "where columns live between ops",
+                         choices=("transferqueue", "ray")),
+        "storage_units": Param(int, 1, "TransferQueue storage units (each reserves num_cpus per unit)", minimum=1),
+        "cpus_per_unit": Param(float, 1.0, "logical CPUs reserved by the controller and by each storage unit",
+                               minimum=0.0),
+    }
+)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a whole-batch op splits the batch: names of its params giving the sizes.
+
+    ``mini_batch`` names the param holding the mini-batch size in prompts (multiplied by ``n``
+    to get samples); ``micro_batch`` the per-rank micro-batch size in samples; ``epochs`` the
+    number of passes over the batch.
+    """
+
+    mini_batch: str | None = None
+    micro_batch: str | None = None
+    epochs: str | None = None
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An operator's declaration: columns, granularity, worker group, params and batching."""
+
+    name: str
+    inputs: Mapping[str, ColumnType]
+    outputs: Mapping[str, ColumnType]
+    granularity: Granularity = "sample"
+    group: str | None = None
+    params: Mapping[str, Param] = field(default_factory=dict)
+    config_key: str | None = None
+    impl: str | None = None  # "module:qualname" of the body, imported only at run time
+    impl_file: str | None = None  # source file, when the module is not importable by name
+    optional_inputs: frozenset[str] = frozenset()
+    batching: Batching | None = None
+    group_size_param: str | None = None  # the param holding n (samples per prompt)
+    skip_before: str | None = None  # config key: the op runs only once step >= its value
+    validate: Callable[[Mapping[str, Any], frozenset[str]], list[Problem]] | None = None
+    cost: float = 1.0  # relative cost hint for the critical path
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
+        object.__setattr__(self, "outputs", MappingProxyType(dict(self.outputs)))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "optional_inputs", frozenset(self.optional_inputs))
+        where = f"op {self.name!r}"
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise DeclarationError(f"op name {self.name!r} must be a Python identifier")
+        if self.granularity not in GRANULARITIES:
+            raise DeclarationError(
+                f"{where}: granularity {self.granularity!r} must be one of {', '.join(GRANULARITIES)}"
+            )
+        for kind, cols in (("input", self.inputs), ("output", self.outputs)):
+            for col, ctype in cols.items():
+                if not isinstance(ctype, ColumnType):
+                    raise DeclarationError(
+                        f"{where}: {kind} column {col!r} is typed {ctype!r}; give a column type such as "
+                        f"T.int64('response_len')"
+                    )
+        if not self.outputs:
+            raise DeclarationError(f"{where} declares no output columns; an op must produce something")
+        unknown_opt = self.optional_inputs - set(self.inputs)
+        if unknown_opt:
+            raise DeclarationError(f"{where}: optional inputs {sorted(unknown_opt)} are not among its inputs")
+        for col, p in self.params.items():
+            if not isinstance(p, Param):
+                raise DeclarationError(f"{where}: param {col!r} must be a Param, got {p!r}")
+        referenced = [self.group_size_param]
+        if self.batching:
+            referenced += [self.batching.mini_batch, self.batching.micro_batch, self.batching.epochs]
+        for ref in referenced:
+            if ref is not None and ref not in self.params:
+                raise DeclarationError(f"{where}: batching refers to param {ref!r}, which it does not declare")
+
+    @property
+    def namespace(self) -> str:
+        """The config namespace of this op's params (``actor`` in ``actor.lr``)."""
+        return self.config_key or self.name
+
+    def with_(self, **changes: Any) -> OpSpec:
+        """A copy with some fields changed, e.g. ``spec.with_(group="actor", name="ref2")``."""
+        return replace(self, **changes)
+
+
+def _impl_ref(fn: Callable) -> tuple[str, str | None]:
+    module = getattr(fn, "__module__", None) or "__main__"
+    qualname = getattr(fn, "__qualname__", fn.__name__)
+    if "<locals>" in qualname:
+        raise DeclarationError(
+            f"op {fn.__name__!r} is defined inside a function ({qualname}); define it at module level "
+            f"so workers can import it"
+        )
+    mod = sys.modules.get(module)
+    file = getattr(mod, "__file__", None) if mod is not None else None
+    return f"{module}:{qualname}", file
+
+
+def _param_from_signature(opname: str, p: inspect.Parameter, annotation: Any) -> Param:
+    if isinstance(annotation, Param):
+        return annotation
+    if p.default is inspect.Parameter.empty:
+        raise DeclarationError(
+            f"op {opname!r}: config parameter {p.name!r} needs a default value (keyword-only parameters "
+            f"are config)"
+        )
+    typ = annotation if annotation in (int, float, str, bool) else type(p.default)
+    if typ not in (int, float, str, bool):
+        raise DeclarationError(
+            f"op {opname!r}: config parameter {p.name!r} must be int, float, str or bool; got "
+            f"{annotation!r}"
+        )
+    return Param(typ, p.default)
+
+
+def op(
+    fn: Callable | None = None,
+    *,
+    outputs: Mapping[str, ColumnType],
+    inputs: Mapping[str, ColumnType] | None = None,
+    name: str | None = None,
+    granularity: Granularity = "sample",
+    group: str | None = None,
+    params: Mapping[str, Param] | None = None,
+    config_key: str | None = None,
+    optional_inputs: Iterable[str] = (),
+    batching: Batching | None = None,
+    group_size_param: str | None = None,
+    skip_before: str | None = None,
+    cost: float = 1.0,
+) -> Callable:
+    """Declare a function (or a worker-class method) as an operator.
+
+    Positional parameters are input columns, typed by their annotations (or by ``inputs=``);
+    keyword-only parameters are config params (or give ``params=``). The function is returned
+    unchanged with its `OpSpec` attached; get it back with `op_spec(fn)`.
+
+        @op(outputs={"token_level_scores": T.float32("response_len")}, group="reward")
+        def length_reward(responses: T.int64("response_len"), *, coef: float = 0.01):
+            ...
+    """
+
+    def declare(f: Callable) -> Callable:
+        opname = name or f.__name__
+        sig = inspect.signature(f)
+        try:
+            ann = inspect.get_annotations(f, eval_str=True)
+        except Exception as e:  # a string annotation that does not evaluate
+            raise DeclarationError(f"op {opname!r}: cannot evaluate its annotations: {e}") from e
+        ins: dict[str, ColumnType] = {}
+        prm: dict[str, Param] = dict(params or {})
+        given = dict(inputs or {})
+        for i, p in enumerate(sig.parameters.values()):
+            if i == 0 and p.name in ("self", "cls"):
+                continue
+            if p.name == _CTX:
+                continue
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise DeclarationError(
+                    f"op {opname!r}: *{p.name} / **{p.name} are not allowed; name each input column"
+                )
+            if p.kind == p.KEYWORD_ONLY:
+                if p.name not in prm:
+                    prm[p.name] = _param_from_signature(opname, p, ann.get(p.name))
+                continue
+            ctype = given.pop(p.name, None) or ann.get(p.name)
+            if not isinstance(ctype, ColumnType):
+                raise DeclarationError(
+                    f"op {opname!r}: input parameter {p.name!r} has no column type; annotate it, e.g. "
+                    f"`{p.name}: T.float32('response_len')`, or pass inputs={{{p.name!r}: ...}}"
+                )
+            ins[p.name] = ctype
+        if given:
+            raise DeclarationError(
+                f"op {opname!r}: inputs= names {sorted(given)} which are not parameters of {f.__name__}()"
+            )
+        clash = set(ins) & set(prm)
+        if clash:
+            raise DeclarationError(f"op {opname!r}: {sorted(clash)} are both input columns and params")
+        impl, impl_file = _impl_ref(f)
+        spec = OpSpec(
+            name=opname,
+            inputs=ins,
+            outputs=outputs,
+            granularity=granularity,
+            group=group,
+            params=prm,
+            config_key=config_key,
+            impl=impl,
+            impl_file=impl_file,
+            optional_inputs=frozenset(optional_inputs),
+            batching=batching,
+            group_size_param=group_size_param,
+            skip_before=skip_before,
+            cost=cost,
+            doc=inspect.getdoc(f) or "",
+        )
+        f.__rlgraph_op__ = spec  # metadata only: the function itself is unchanged
+        return f
+
+    return declare(fn) if fn is not None else declare
+
+
+def op_spec(obj: Any) -> OpSpec:
+    """The `OpSpec` of an `@op` function or method, or `obj` itself if it is one."""
+    if isinstance(obj, OpSpec):
+        return obj
+    spec = getattr(obj, "__rlgraph_op__", None)
+    if isinstance(spec, OpSpec):
+        return spec
+    raise DeclarationError(
+        f"{obj!r} is not an operator; decorate it with @rlgraph.op(outputs=...) or pass an OpSpec"
+    )
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """A set of `dp` identical workers (one Ray actor each); the ops in it share those actors.
+
+    ``pool`` names the resource pool it is placed on; groups naming the same pool time-share
+    its devices (like a reward model that wakes, scores and sleeps on the policy's GPUs).
+    Each field can be overridden as ``groups.<name>.<field>=...``.
+    """
+
+    name: str
+    dp: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    pool: str | None = None
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise DeclarationError(f"worker group name {self.name!r} must be a Python identifier")
+
+    def params(self) -> dict[str, Param]:
+        return {
+            "dp": Param(int, self.dp, "data-parallel size: workers (Ray actors) in the group", minimum=1),
+            "num_cpus": Param(float, float(self.num_cpus), "logical CPUs per worker", minimum=0.0),
+            "num_gpus": Param(float, float(self.num_gpus), "GPUs per worker", minimum=0.0),
+            "pool": Param(str, self.pool or self.name, "resource pool; groups sharing one are colocated"),
+        }
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The cluster a plan is compiled for; override as ``cluster.num_nodes=2`` etc."""
+
+    num_nodes: int = 1
+    cpus_per_node: float = 8.0
+    gpus_per_node: float = 0.0
+
+    def params(self) -> dict[str, Param]:
+        return {
+            "num_nodes": Param(int, self.num_nodes, "nodes in the cluster", minimum=1),
+            "cpus_per_node": Param(float, float(self.cpus_per_node), "logical CPUs per node", minimum=0.0),
+            "gpus_per_node": Param(float, float(self.gpus_per_node), "GPUs per node", minimum=0.0),
+        }
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where prompts come from. Emits one row per sample (each prompt repeated ``n`` times).
+
+    ``columns`` are the per-sample columns it provides, besides the system columns ``uid`` and
+    ``is_padding``; ``params`` live under the ``data.`` namespace and must include
+    ``batch_size`` (prompts per step).
+    """
+
+    columns: Mapping[str, ColumnType]
+    params: Mapping[str, Param] = field(default_factory=dict)
+    impl: str | None = None
+    name: str = "data"
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", MappingProxyType(dict(self.columns)))
+        prm = {"batch_size": Param(int, 8, "prompts per step", minimum=1), **dict(self.params)}
+        object.__setattr__(self, "params", MappingProxyType(prm))
+        for col, ctype in self.columns.items():
+            if not isinstance(ctype, ColumnType):
+                raise DeclarationError(f"data source column {col!r} is typed {ctype!r}; give a ColumnType")
+            if col in SYSTEM_COLUMNS:
+                raise DeclarationError(f"data source column {col!r} is a system column; do not declare it")
+
+    def all_columns(self) -> dict[str, ColumnType]:
+        return {**self.columns, **SYSTEM_COLUMNS}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A declared pipeline: a data source, operators, worker groups, the cluster and config.
+
+    Edges are not declared: an op's input column is connected to the op that outputs a column
+    of that name. ``outputs`` lists columns to keep even though no op reads them; metric
+    columns are always kept. ``config`` holds nested default values (``{"actor": {"lr": 1e-6}}``)
+    that command-line overrides replace.
+    """
+
+    name: str
+    source: DataSource
+    ops: tuple[OpSpec, ...]
+    groups: tuple[WorkerGroup, ...] = ()
+    cluster: Cluster = Cluster()
+    config: Mapping[str, Any] = field(default_factory=dict)
+    outputs: tuple[str, ...] = ()
+    doc: str = ""
+
+    def __init__(
+        self,
+        name: str,
+        source: DataSource,
+        ops: Iterable[Any],
+        groups: Iterable[WorkerGroup] = (),
+        cluster: Cluster | None = None,
+        config: Mapping[str, Any] | None = None,
+        outputs: Iterable[str] = (),
+        doc: str = "",
+    ) -> None:
+        if not isinstance(source, DataSource):
+            raise DeclarationError(f"pipeline {name!r}: source must be a DataSource, got {source!r}")
+        groups = tuple(groups)
+        for g in groups:
+            if not isinstance(g, WorkerGroup):
+                raise DeclarationError(f"pipeline {name!r}: groups must be WorkerGroup objects, got {g!r}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "ops", tuple(op_spec(o) for o in ops))
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "cluster", cluster or Cluster())
+        object.__setattr__(self, "config", MappingProxyType(dict(config or {})))
+        object.__setattr__(self, "outputs", tuple(outputs))
+        object.__setattr__(self, "doc", doc)
+
+    def op(self, name: str) -> OpSpec:
+        for o in self.ops:
+            if o.name == name:
+                return o
+        raise KeyError(f"no op {name!r} in pipeline {self.name!r}; ops are {[o.name for o in self.ops]}")
+
+    def with_ops(self, *ops: Any, drop: Iterable[str] = ()) -> Pipeline:
+        """A new pipeline with some ops added (or replacing ones of the same name) or dropped."""
+        new = {o.name: o for o in self.ops if o.name not in set(drop)}
+        for o in ops:
+            s = op_spec(o)
+            new[s.name] = s
+        return Pipeline(self.name, self.source, new.values(), self.groups, self.cluster, self.config,
+                        self.outputs, self.doc)
+
+    def with_config(self, **namespaces: Mapping[str, Any]) -> Pipeline:
+        """A new pipeline with config defaults merged in, e.g. ``with_config(actor={"lr": 1e-6})``."""
+        merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in self.config.items()}
+        for ns, values in namespaces.items():
+            merged.setdefault(ns, {}).update(values)
+        return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, merged,
+                        self.outputs, self.doc)
+
+    def compile(self, overrides: Iterable[str] | Mapping[str, str] = ()) -> Any:
+        """Shorthand for `rlgraph.compile(self, overrides)`."""
+        from rlgraph.graph.compile import compile_pipeline
+
+        return compile_pipeline(self, overrides)
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        raise TypeError("a Pipeline is not run by calling it; use `rlgraph run` or rlgraph.compile(pipeline)")

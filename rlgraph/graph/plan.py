@@ -1,0 +1,257 @@
+"""The compiled plan: a frozen, versioned, JSON-serialisable model of everything `rlgraph run` needs.
+
+A plan holds no code and no pickles: operator bodies are referenced by import path
+(``module:qualname``, plus the source file for pipelines loaded from a path), so loading a plan
+never executes anything. Loading validates the file against this schema and its format version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlgraph.errors import PlanError
+
+__all__ = [
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "ColumnPlan",
+    "EdgePlan",
+    "OpPlan",
+    "GroupPlan",
+    "BundlePlan",
+    "PoolPlan",
+    "PaddingTerm",
+    "OpBatching",
+    "BatchPlan",
+    "SchedulePlan",
+    "ClusterPlan",
+    "Plan",
+    "load_plan",
+]
+
+PLAN_FORMAT = "rlgraph.plan"
+PLAN_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ColumnPlan(_Frozen):
+    """A column of the step table."""
+
+    name: str = Field(description="column name")
+    dtype: str = Field(description="element dtype")
+    shape: list[int | str] = Field(description="per-sample shape; names are ragged sizes")
+    level: Literal["sample", "batch"] = Field(description="one value per sample or per batch")
+    kind: Literal["data", "state", "metric"] = Field(description="data, cross-step state or metric")
+    producer: str = Field(description="the op (or the data source) that writes it")
+    consumers: list[str] = Field(description="ops that read it")
+    stored: bool = Field(description="kept in the data plane (false: pruned, nobody reads it)")
+
+
+class EdgePlan(_Frozen):
+    """One edge per column from its producer to a consumer."""
+
+    src: str
+    dst: str
+    column: str
+    kind: Literal["data", "state"] = Field(description="state edges cross steps and are not cycles")
+
+
+class OpBatching(_Frozen):
+    """How an op splits the padded batch over its group's ranks."""
+
+    dp: int = Field(description="data-parallel ranks of the op's worker group")
+    samples_per_rank: int = Field(description="padded samples each rank handles per pass (the largest share)")
+    mini_batch_samples: int | None = Field(None, description="samples per mini-batch (mini_batch_size * n)")
+    mini_batches: int | None = Field(None, description="mini-batches per epoch over the padded batch")
+    epochs: int = Field(1, description="passes over the batch")
+    rank_mini_batch: list[int] | None = Field(
+        None, description="[smallest, largest] share of one mini-batch on a rank (equal when dp divides it)"
+    )
+    micro_batch_size: int | None = Field(None, description="samples per micro-batch on a rank")
+    micro_batches: int | None = Field(
+        None, description="micro-batches per rank per mini-batch (per pass for forward-only ops)"
+    )
+    updates_per_step: int | None = Field(None, description="optimizer steps per training step")
+
+
+class OpPlan(_Frozen):
+    """An operator, resolved: its columns, group, params, schedule and batching."""
+
+    name: str
+    impl: str | None = Field(description="'module:qualname' of the body")
+    impl_file: str | None = Field(None, description="source file of the body's module, if not importable")
+    group: str
+    granularity: Literal["sample", "group", "batch"]
+    inputs: list[str] = Field(description="connected data input columns")
+    state_inputs: list[str] = Field(description="cross-step state columns read (from the previous step)")
+    outputs: list[str]
+    params: dict[str, Any] = Field(description="resolved config params of the op")
+    config_key: str = Field(description="namespace of its params in the config")
+    mode: Literal["stream", "group", "barrier"] = Field(
+        description="stream: starts on micro-batches of ready rows; group: on complete groups; "
+        "barrier: waits for the whole padded batch"
+    )
+    stage: int = Field(description="topological generation (0 runs first)")
+    concurrent_with: list[str] = Field(description="ops it may overlap with (no dependency, different group)")
+    skip_before_step: int = Field(0, description="the op is skipped while step < this")
+    batching: OpBatching
+    cost: float = 1.0
+    doc: str = ""
+
+
+class GroupPlan(_Frozen):
+    """A worker group: dp identical actors, colocated ops."""
+
+    name: str
+    dp: int
+    num_cpus: float
+    num_gpus: float
+    pool: str
+    ops: list[str]
+
+
+class BundlePlan(_Frozen):
+    """One worker slot of a pool, placed on a node."""
+
+    index: int
+    node: int
+    num_cpus: float
+    num_gpus: float
+
+
+class PoolPlan(_Frozen):
+    """A resource pool: bundles shared (time-sliced) by the groups placed on it."""
+
+    name: str
+    groups: list[str]
+    bundles: list[BundlePlan]
+
+
+class PaddingTerm(_Frozen):
+    """One term of the padding multiple and where it comes from."""
+
+    source: str
+    value: int
+    gated_by_warmup: bool = False
+
+
+class BatchPlan(_Frozen):
+    """Batch sizes and padding (BRIEF section 2)."""
+
+    batch_size: int = Field(description="prompts per step")
+    n: int = Field(description="samples per prompt")
+    global_batch: int = Field(description="samples per step before padding (batch_size * n)")
+    terms: list[PaddingTerm]
+    multiple: int = Field(description="padding multiple once every op runs (step >= critic_warmup)")
+    padded_batch: int = Field(description="samples per step after padding")
+    pad_rows: int
+    multiple_warmup: int = Field(description="padding multiple while step < critic_warmup")
+    padded_batch_warmup: int
+    pad_rows_warmup: int
+    critic_warmup: int
+
+
+class SchedulePlan(_Frozen):
+    """Where stages may overlap."""
+
+    stages: list[list[str]] = Field(description="topological generations of ops")
+    streaming: list[str]
+    group_wise: list[str]
+    barriers: list[str]
+    critical_path: list[str] = Field(description="the longest chain by cost, source first")
+    critical_path_cost: float
+
+
+class ClusterPlan(_Frozen):
+    num_nodes: int
+    cpus_per_node: float
+    gpus_per_node: float
+    dataplane_cpus: float = Field(description="CPUs the data plane reserves (TransferQueue controller and units)")
+    required_cpus: float
+    required_gpus: float
+
+
+class Plan(_Frozen):
+    """A compiled pipeline. Write with `save`, read with `load_plan`."""
+
+    format: Literal["rlgraph.plan"] = PLAN_FORMAT
+    version: int = PLAN_VERSION
+    rlgraph_version: str
+    pipeline: str = Field(description="pipeline name")
+    pipeline_ref: str | None = Field(None, description="how to load the pipeline again (file or module:attr)")
+    source_impl: str | None = Field(None, description="'module:qualname' of the data source")
+    config: dict[str, Any] = Field(description="the resolved config, nested")
+    overrides: dict[str, str] = Field(description="the key=value overrides given at compile time")
+    columns: dict[str, ColumnPlan]
+    ops: list[OpPlan]
+    edges: list[EdgePlan]
+    groups: list[GroupPlan]
+    pools: list[PoolPlan]
+    batch: BatchPlan
+    schedule: SchedulePlan
+    cluster: ClusterPlan
+
+    def op(self, name: str) -> OpPlan:
+        for o in self.ops:
+            if o.name == name:
+                return o
+        raise KeyError(f"plan has no op {name!r}")
+
+    def group(self, name: str) -> GroupPlan:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"plan has no worker group {name!r}")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; raises `PlanError` saying what is wrong and what to do."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(
+            f"{str(path)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+            f"recompile it with `rlgraph compile PIPELINE -o DIR`"
+        ) from None
+    if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
+        raise PlanError(
+            f"{str(path)!r} is not an rlgraph plan (no \"format\": \"{PLAN_FORMAT}\"); "
+            f"pass a plan.json written by `rlgraph compile`"
+        )
+    version = raw.get("version")
+    if version != PLAN_VERSION:
+        raise PlanError(
+            f"{str(path)!r} is plan format version {version!r}, but this rlgraph reads version "
+            f"{PLAN_VERSION}; recompile the pipeline with this rlgraph (`rlgraph compile PIPELINE -o DIR`)"
+        )
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as e:
+        details = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:8]
+        )
+        more = f" (and {e.error_count() - 8} more)" if e.error_count() > 8 else ""
+        raise PlanError(
+            f"{str(path)!r} is a malformed plan: {details}{more}; recompile it with `rlgraph compile`"
+        ) from None

@@ -1,0 +1,1 @@
+"""Built-in operators: the PPO/GRPO stage declarations and (with the runtime) their bodies."""

@@ -1,0 +1,316 @@
+"""Built-in declarations of the PPO/GRPO stages (BRIEF section 1): columns, granularity, params.
+
+These are declarations only: each returns an `OpSpec` (or the `DataSource`) whose body is
+referenced by import path and loaded by the runtime. Call them with another ``group=`` to
+place a stage elsewhere, or ``.with_(...)`` the result to change anything else.
+
+Column names follow verl's, so reward code and metrics carry over.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from rlgraph.errors import DeclarationError, Problem
+from rlgraph.graph.columns import ColumnType, T
+from rlgraph.graph.config import Param
+from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
+
+__all__ = [
+    "COLUMNS",
+    "ESTIMATORS",
+    "prompt_source",
+    "generate",
+    "reward",
+    "old_logprob",
+    "ref",
+    "values",
+    "advantage",
+    "update_critic",
+    "update_actor",
+]
+
+P, R, S = "prompt_len", "response_len", "seq_len"
+
+COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
+    # data source (one row per sample: each prompt repeated n times)
+    "prompt_ids": T.int64(P, doc="prompt token ids, unpadded"),
+    "data_source": T.str(doc="dataset name; selects the reward function"),
+    "ground_truth": T.str(doc="reference answer for rule-based rewards"),
+    "extra_info": T.json(doc="free-form per-sample info passed to compute_score"),
+    # generate
+    "prompts": T.int64(P, doc="prompt tokens as fed to the model"),
+    "responses": T.int64(R, doc="sampled response tokens"),
+    "response_mask": T.int64(R, doc="1 on response tokens up to and including EOS"),
+    "input_ids": T.int64(S, doc="prompt + response"),
+    "attention_mask": T.int64(S, doc="1 on real tokens of input_ids"),
+    "position_ids": T.int64(S, doc="positions of input_ids"),
+    "rollout_log_probs": T.float32(R, doc="log-probs of the sampled tokens under the rollout engine"),
+    # reward
+    "token_level_scores": T.float32(R, doc="the score, placed on the last response token"),
+    "reward_extra": T.json(doc="extra values returned by the reward function"),
+    # forward passes
+    "old_log_probs": T.float32(R, doc="log-probs of responses under the current policy"),
+    "entropy": T.float32(R, doc="per-token entropy of the current policy"),
+    "ref_log_prob": T.float32(R, doc="log-probs of responses under the frozen reference"),
+    "values": T.float32(R, doc="critic values per response token"),
+    # advantage
+    "advantages": T.float32(R),
+    "returns": T.float32(R),
+    "token_level_rewards": T.float32(R, doc="scores minus the KL penalty when KL is in the reward"),
+    "advantage_metrics": T.json().metric(),
+    # updates
+    "critic_metrics": T.json().metric(),
+    "actor_metrics": T.json().metric(),
+    "critic_weights": T.opaque(doc="critic parameters after the update").state(),
+    "policy_weights": T.opaque(doc="policy parameters after the update").state(),
+})
+
+
+def _cols(*names: str) -> dict[str, ColumnType]:
+    return {n: COLUMNS[n] for n in names}
+
+
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+_LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+# estimator -> (granularity it needs, needs values)
+ESTIMATORS: Mapping[str, tuple[str, bool]] = MappingProxyType({
+    "gae": ("batch", True),
+    "grpo": ("group", False),
+    "drgrpo": ("group", False),
+    "rloo": ("group", False),
+    "reinforce_plus_plus": ("batch", False),
+    "reinforce_plus_plus_baseline": ("batch", False),
+})
+
+
+def prompt_source(**params: Param) -> DataSource:
+    """Prompts in verl's layout (parquet/JSONL: ``prompt`` chat messages, ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info``), tokenised, each repeated n times."""
+    return DataSource(
+        columns=_cols("prompt_ids", "data_source", "ground_truth", "extra_info"),
+        params={
+            "path": Param(str, "", "parquet or JSONL file of prompts; empty: the example's own generated set"),
+            "max_prompt_length": Param(int, 64, "prompts longer than this (in tokens) are rejected", minimum=1),
+            "shuffle": Param(bool, True, "shuffle prompts each epoch (seeded by trainer.seed)"),
+            **params,
+        },
+        impl="rlgraph.ops.data:PromptSource",
+    )
+
+
+def generate(group: str = "actor", **changes: Any) -> OpSpec:
+    """Sample n responses per prompt with the current policy (one call per group of n rows)."""
+    return OpSpec(
+        name="generate",
+        inputs=_cols("prompt_ids", "policy_weights"),
+        outputs=_cols("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+                      "rollout_log_probs"),
+        granularity="group",
+        group=group,
+        config_key="rollout",
+        params={
+            "n": Param(int, 4, "responses sampled per prompt (the group size)", minimum=1),
+            "temperature": Param(float, 1.0, "sampling temperature (0: greedy)", minimum=0.0),
+            "top_p": Param(float, 1.0, "nucleus sampling mass", minimum=0.0),
+            "top_k": Param(int, 0, "sample from the k most likely tokens (0: off)", minimum=0),
+            "max_new_tokens": Param(int, 16, "response length limit in tokens", minimum=1),
+            "backend": Param(str, "hf", "hf: transformers generate; vllm: vLLM engine (GPU)", choices=("hf", "vllm")),
+            "micro_batch_size": Param(int, 16, "prompts per generation call on a rank", minimum=1),
+            "calculate_log_probs": Param(bool, False, "also return rollout_log_probs"),
+        },
+        impl="rlgraph.ops.actor:ActorWorker.generate",
+        group_size_param="n",
+        batching=Batching(micro_batch="micro_batch_size"),
+        cost=5.0,
+        doc="Generate n responses per prompt; weights are synced from update_actor once per step.",
+    ).with_(**changes)
+
+
+def reward(group: str = "reward", **changes: Any) -> OpSpec:
+    """Score each sample with a rule-based function (verl's compute_score signature)."""
+    return OpSpec(
+        name="reward",
+        inputs=_cols("prompts", "responses", "response_mask", "data_source", "ground_truth", "extra_info"),
+        outputs=_cols("token_level_scores", "reward_extra"),
+        granularity="sample",
+        group=group,
+        params={
+            "fn": Param(str, "rlgraph.ops.rewards:compute_score",
+                        "'module:function' with signature compute_score(data_source, solution_str, "
+                        "ground_truth, extra_info=None) -> float | dict"),
+            "micro_batch_size": Param(int, 64, "samples scored per call", minimum=1),
+        },
+        impl="rlgraph.ops.reward:RewardWorker.compute_reward",
+        batching=Batching(micro_batch="micro_batch_size"),
+        cost=0.5,
+    ).with_(**changes)
+
+
+def _forward(name: str, output: tuple[str, ...], group: str, impl: str, state: str | None, doc: str) -> OpSpec:
+    inputs = _cols(*_MODEL_INPUTS, "response_mask")
+    if state:
+        inputs[state] = COLUMNS[state]
+    return OpSpec(
+        name=name,
+        inputs=inputs,
+        outputs=_cols(*output),
+        granularity="sample",
+        group=group,
+        params={"micro_batch_size": Param(int, 16, "samples per forward pass on a rank", minimum=1)},
+        impl=impl,
+        batching=Batching(micro_batch="micro_batch_size"),
+        cost=1.0,
+        doc=doc,
+    )
+
+
+def old_logprob(group: str = "actor", **changes: Any) -> OpSpec:
+    """Log-probs (and entropy) of the responses under the current policy."""
+    return _forward("old_logprob", ("old_log_probs", "entropy"), group,
+                    "rlgraph.ops.actor:ActorWorker.compute_log_prob", "policy_weights",
+                    "Forward pass of the actor on response tokens.").with_(**changes)
+
+
+def ref(group: str = "actor", **changes: Any) -> OpSpec:
+    """Log-probs of the responses under the frozen reference policy."""
+    return _forward("ref", ("ref_log_prob",), group, "rlgraph.ops.actor:ActorWorker.compute_ref_log_prob",
+                    None, "Forward pass of the frozen reference model.").with_(**changes)
+
+
+def values(group: str = "critic", **changes: Any) -> OpSpec:
+    """Critic values per response token."""
+    return _forward("values", ("values",), group, "rlgraph.ops.critic:CriticWorker.compute_values",
+                    "critic_weights", "Forward pass of the critic (value head).").with_(**changes)
+
+
+def _validate_advantage(granularity: str):
+    def validate(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+        out: list[Problem] = []
+        est = params.get("estimator")
+        if est in ESTIMATORS:
+            need, needs_values = ESTIMATORS[est]
+            if need == "batch" and granularity != "batch":
+                out.append(Problem(
+                    "op-config", f"algorithm.estimator={est!r} whitens over the whole batch, but the advantage "
+                    f"op runs per {granularity}",
+                    f"declare it with rlgraph.ops.stages.advantage({est!r}), which makes it a barrier"))
+            if needs_values and "values" not in connected:
+                out.append(Problem(
+                    "op-config", f"algorithm.estimator={est!r} needs critic values, but no op produces 'values'",
+                    "add stages.values() and stages.update_critic() (a critic), or use a critic-free "
+                    "estimator such as algorithm.estimator=grpo", column="values"))
+        if params.get("use_kl_in_reward"):
+            for col in ("old_log_probs", "ref_log_prob"):
+                if col not in connected:
+                    out.append(Problem(
+                        "op-config", f"algorithm.use_kl_in_reward=true needs column {col!r}, which no op produces",
+                        "add stages.ref() and stages.old_logprob(), or set algorithm.use_kl_in_reward=false",
+                        column=col))
+        return out
+
+    return validate
+
+
+def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) -> OpSpec:
+    """Advantages and returns: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline); KL in reward."""
+    if estimator not in ESTIMATORS:
+        raise DeclarationError(f"unknown advantage estimator {estimator!r}; use one of {', '.join(ESTIMATORS)}")
+    granularity = ESTIMATORS[estimator][0]
+    return OpSpec(
+        name="advantage",
+        inputs={**_cols("token_level_scores", "response_mask"), **SYSTEM_COLUMNS,
+                **_cols("values", "old_log_probs", "ref_log_prob")},
+        outputs=_cols("advantages", "returns", "token_level_rewards", "advantage_metrics"),
+        granularity=granularity,  # type: ignore[arg-type]
+        group=group,
+        config_key="algorithm",
+        optional_inputs={"values", "old_log_probs", "ref_log_prob"},
+        params={
+            "estimator": Param(str, estimator, "advantage estimator", choices=tuple(ESTIMATORS)),
+            "gamma": Param(float, 1.0, "discount factor", minimum=0.0),
+            "lam": Param(float, 1.0, "GAE lambda", minimum=0.0),
+            "norm_adv_by_std": Param(bool, True, "GRPO: divide by the group std (false: Dr.GRPO)"),
+            "use_kl_in_reward": Param(bool, False, "subtract kl_coef * KL(policy || ref) from token rewards"),
+            "kl_penalty": Param(str, "kl", "KL estimator for the reward penalty", choices=_KL),
+            "kl_coef": Param(float, 0.001, "initial KL coefficient", minimum=0.0),
+            "kl_ctrl": Param(str, "fixed", "fixed or adaptive KL coefficient", choices=("fixed", "adaptive")),
+            "kl_target": Param(float, 0.1, "adaptive controller's KL target", minimum=0.0),
+            "kl_horizon": Param(int, 10000, "adaptive controller's horizon", minimum=1),
+        },
+        impl="rlgraph.ops.advantage:compute_advantage",
+        validate=_validate_advantage(granularity),
+        cost=0.2,
+        doc="Advantage estimation; a barrier for whitening estimators, per group for GRPO/RLOO.",
+    ).with_(**changes)
+
+
+def _update_params(lr: float, extra: Mapping[str, Param]) -> dict[str, Param]:
+    return {
+        "lr": Param(float, lr, "learning rate", minimum=0.0),
+        "mini_batch_size": Param(int, 4, "prompts per mini-batch (x n samples)", minimum=1),
+        "micro_batch_size": Param(int, 8, "samples per micro-batch on a rank (gradient accumulation)", minimum=1),
+        "ppo_epochs": Param(int, 1, "passes over the batch per step", minimum=1),
+        "grad_clip": Param(float, 1.0, "max global gradient norm (0: off)", minimum=0.0),
+        "weight_decay": Param(float, 0.0, "AdamW weight decay", minimum=0.0),
+        "lr_warmup_steps": Param(int, 0, "linear LR warm-up, in optimizer steps", minimum=0),
+        "loss_agg_mode": Param(str, "token-mean", "how token losses are aggregated", choices=_LOSS_AGG),
+        "backend": Param(str, "torch", "torch (DDP over gloo/nccl) or deepspeed", choices=("torch", "deepspeed")),
+        "zero_stage": Param(int, 0, "DeepSpeed ZeRO stage (backend=deepspeed)", choices=(0, 1, 2, 3)),
+        **extra,
+    }
+
+
+def update_critic(group: str = "critic", **changes: Any) -> OpSpec:
+    """Clipped value-loss update of the critic over mini-batches and epochs."""
+    return OpSpec(
+        name="update_critic",
+        inputs=_cols(*_MODEL_INPUTS, "response_mask", "values", "returns"),
+        outputs=_cols("critic_metrics", "critic_weights"),
+        granularity="batch",
+        group=group,
+        config_key="critic",
+        params=_update_params(1e-5, {
+            "cliprange_value": Param(float, 0.5, "value clip range around the old values", minimum=0.0),
+        }),
+        impl="rlgraph.ops.critic:CriticWorker.update_critic",
+        batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
+        cost=3.0,
+    ).with_(**changes)
+
+
+def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    if params.get("use_kl_loss") and "ref_log_prob" not in connected:
+        return [Problem("op-config", "actor.use_kl_loss=true needs column 'ref_log_prob', which no op produces",
+                        "add stages.ref() to the pipeline, or set actor.use_kl_loss=false", column="ref_log_prob")]
+    return []
+
+
+def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
+    """PPO clipped policy update (dual clip, KL loss, entropy bonus); skipped during critic warm-up."""
+    return OpSpec(
+        name="update_actor",
+        inputs=_cols(*_MODEL_INPUTS, "response_mask", "old_log_probs", "advantages", "ref_log_prob"),
+        outputs=_cols("actor_metrics", "policy_weights"),
+        granularity="batch",
+        group=group,
+        config_key="actor",
+        optional_inputs={"ref_log_prob"},
+        params=_update_params(1e-6, {
+            "clip_ratio_low": Param(float, 0.2, "PPO clip below 1 (eps_low)", minimum=0.0),
+            "clip_ratio_high": Param(float, 0.2, "PPO clip above 1 (eps_high)", minimum=0.0),
+            "clip_ratio_c": Param(float, 3.0, "dual-clip bound for negative advantages", minimum=1.0),
+            "entropy_coeff": Param(float, 0.0, "entropy bonus coefficient", minimum=0.0),
+            "use_kl_loss": Param(bool, False, "add kl_loss_coef * KL(policy || ref) to the loss (GRPO style)"),
+            "kl_loss_coef": Param(float, 0.001, "KL loss coefficient", minimum=0.0),
+            "kl_loss_type": Param(str, "low_var_kl", "KL estimator for the loss", choices=_KL),
+        }),
+        impl="rlgraph.ops.actor:ActorWorker.update_actor",
+        batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
+        skip_before="trainer.critic_warmup",
+        validate=_validate_actor,
+        cost=3.0,
+    ).with_(**changes)
