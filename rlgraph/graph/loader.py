@@ -49,6 +49,22 @@ def import_file(path: str | Path) -> ModuleType:
     return module
 
 
+def _import_module(module_name: str, ref: str) -> ModuleType:
+    """Import `module_name` for the reference `ref`; any failure becomes a `PipelineLoadError`."""
+    try:
+        return importlib.import_module(module_name)
+    except RLGraphError:
+        raise
+    except ImportError as e:
+        raise PipelineLoadError(f"cannot import module {module_name!r} from {ref!r}: {e}") from e
+    except Exception as e:  # the user's module raised while being imported
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+        raise PipelineLoadError(
+            f"importing module {module_name!r} (from {ref!r}) failed{where}: {type(e).__name__}: {e}"
+        ) from e
+
+
 def _as_pipeline(obj: Any, what: str) -> Pipeline:
     if callable(obj) and not isinstance(obj, Pipeline):
         try:
@@ -89,10 +105,7 @@ def load_pipeline(ref: str) -> tuple[Pipeline, str]:
             f"{ref!r} is neither a Python file nor a module:attr reference (e.g. examples/ppo.py or "
             f"mypkg.pipelines:ppo)"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise PipelineLoadError(f"cannot import module {module_name!r} from {ref!r}: {e}") from e
+    module = _import_module(module_name, ref)
     if not hasattr(module, attr):
         raise PipelineLoadError(f"module {module_name!r} has no attribute {attr!r}")
     return _as_pipeline(getattr(module, attr), f"{ref}"), ref

@@ -1,0 +1,197 @@
+"""The `rlgraph` command: compile, validate, draw and describe pipelines.
+
+    rlgraph compile examples/ppo.py -o build/ppo data.batch_size=45
+    rlgraph validate examples/ppo.py actor.lr=1e-6
+    rlgraph viz examples/ppo.py -o ppo.svg
+    rlgraph describe examples/ppo.py rollout.n=8      # or a compiled build/ppo/plan.json
+    rlgraph describe examples/ppo.py --config         # every config key: type, default, doc
+
+PIPELINE is a Python file or ``module:attr``; trailing ``key=value`` arguments override its
+config. Exit status: 0 success; 1 a problem with the pipeline, its config or a plan file
+(printed without a traceback); 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from rlgraph import __version__
+from rlgraph.errors import PipelineError, RLGraphError
+from rlgraph.graph import describe as show
+from rlgraph.graph.build import build
+from rlgraph.graph.compile import compile_pipeline
+from rlgraph.graph.config import parse_overrides
+from rlgraph.graph.loader import load_pipeline
+from rlgraph.graph.plan import Plan, load_plan
+
+__all__ = ["cli", "main"]
+
+_PLAN_SUFFIX = ".json"
+_OVERRIDES_HELP = (
+    "Trailing key=value arguments override config keys (`rlgraph describe PIPELINE --config` lists them)."
+)
+
+
+class _UserError(click.ClickException):
+    """An `RLGraphError` on its way to the terminal: its message, no traceback, exit status 1."""
+
+    exit_code = 1
+
+
+class _Cli(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RLGraphError as e:
+            raise _UserError(str(e)) from None
+
+
+def _compile(pipeline_ref: str, overrides: tuple[str, ...]) -> Plan:
+
+    parsed = parse_overrides(overrides)  # a malformed item fails before the pipeline is imported
+    pipeline, ref = load_pipeline(pipeline_ref)
+    return compile_pipeline(pipeline, parsed, pipeline_ref=ref)
+
+
+def _is_plan(target: str) -> bool:
+    return target.endswith(_PLAN_SUFFIX)
+
+
+def _plan_or_compile(target: str, overrides: tuple[str, ...]) -> Plan:
+    """A plan file, loaded as it is, or a PIPELINE compiled with the overrides."""
+    if not _is_plan(target):
+        return _compile(target, overrides)
+    if overrides:
+        raise click.UsageError(
+            f"config overrides ({' '.join(overrides)}) cannot be applied to the compiled plan {target!r}; "
+            f"pass the pipeline instead, or recompile with `rlgraph compile PIPELINE -o DIR {' '.join(overrides)}`"
+        )
+    return load_plan(target)
+
+
+def _console(width: int | None) -> Console:
+    # Not a terminal (a pipe, a file, a test): plain text on a fixed wide page, so the output
+    # is the same everywhere and no column name is folded.
+    if sys.stdout.isatty():
+        return Console(width=width, highlight=False, soft_wrap=False)
+    return Console(width=width or 200, highlight=False, soft_wrap=False, color_system=None)
+
+
+def _print(console: Console, *renderables) -> None:
+    """Render through `console`, then echo without the trailing blanks rich pads lines with."""
+    with console.capture() as captured:
+        for r in renderables:
+            console.print(r)
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+def _padding_line(plan: Plan) -> str:
+    b = plan.batch
+    return (f"padded batch {b.padded_batch} samples: {b.batch_size} prompts x n={b.n} = {b.global_batch}, "
+            f"multiple {b.multiple}, {b.pad_rows} pad rows")
+
+
+def _draw(plan: Plan, path: Path) -> Path:
+    from rlgraph.graph.viz import write_svg  # imports graphviz only when something is drawn
+
+    return write_svg(plan, path)
+
+
+_overrides_argument = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+
+
+@click.group("rlgraph", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="rlgraph")
+def cli() -> None:
+    """Compile, check, draw and describe rlgraph pipelines.
+
+    PIPELINE is a Python file (examples/ppo.py) or module:attr (mypkg.pipelines:ppo).
+    Exit status: 0 ok, 1 a problem with the pipeline, config or plan, 2 bad usage.
+    """
+
+
+@cli.command("compile", epilog=_OVERRIDES_HELP)
+@click.argument("pipeline")
+@_overrides_argument
+@click.option("-o", "--output", "out_dir", required=True, metavar="DIR",
+              type=click.Path(file_okay=False, path_type=Path), help="Directory for plan.json and pipeline.svg.")
+def compile_command(pipeline: str, overrides: tuple[str, ...], out_dir: Path) -> None:
+    """Compile PIPELINE into DIR/plan.json and draw it as DIR/pipeline.svg."""
+    plan = _compile(pipeline, overrides)
+    click.echo(f"compiled {plan.pipeline!r}: {len(plan.ops)} ops in {len(plan.schedule.stages)} stages, "
+               f"{len(plan.groups)} worker groups")
+    click.echo(_padding_line(plan))
+    click.echo(f"wrote {plan.save(out_dir / 'plan.json')}")
+    click.echo(f"wrote {_draw(plan, out_dir / 'pipeline.svg')}")
+
+
+@cli.command(epilog=_OVERRIDES_HELP)
+@click.argument("pipeline")
+@_overrides_argument
+def validate(pipeline: str, overrides: tuple[str, ...]) -> None:
+    """Check PIPELINE with the overrides; print every problem found, or ok."""
+    plan = _compile(pipeline, overrides)
+    click.echo(f"ok: {plan.pipeline!r} passes every check ({len(plan.ops)} ops, {len(plan.groups)} worker "
+               f"groups); {_padding_line(plan)}")
+
+
+@cli.command(epilog=_OVERRIDES_HELP)
+@click.argument("pipeline", metavar="PIPELINE|PLAN")
+@_overrides_argument
+@click.option("-o", "--output", required=True, metavar="FILE",
+              type=click.Path(dir_okay=False, path_type=Path), help="Drawing to write; the extension picks the format.")
+def viz(pipeline: str, overrides: tuple[str, ...], output: Path) -> None:
+    """Draw PIPELINE (compiled with the overrides) or a plan.json to FILE, e.g. pipeline.svg."""
+    plan = _plan_or_compile(pipeline, overrides)
+    click.echo(f"wrote {_draw(plan, output)}")
+
+
+def _config_keys(pipeline_ref: str, overrides: tuple[str, ...]):
+    """The schema table. Only the config is checked, so keys can be looked up even while other
+    checks (resources, columns) still fail."""
+    parsed = parse_overrides(overrides)
+    pipeline, _ = load_pipeline(pipeline_ref)
+    g = build(pipeline, parsed)
+    if g.problems:
+        raise PipelineError(list(g.problems), pipeline.name)
+    return show.config_schema_table(g.schema, g.config, g.overrides)
+
+
+@cli.command(epilog=_OVERRIDES_HELP)
+@click.argument("target", metavar="PIPELINE|PLAN")
+@_overrides_argument
+@click.option("--config", "list_config", is_flag=True,
+              help="List every config key of PIPELINE with its type, default, current value and doc.")
+@click.option("--width", type=click.IntRange(min=40), default=None,
+              help="Page width in characters (default: the terminal's, or 200 when not a terminal).")
+def describe(target: str, overrides: tuple[str, ...], list_config: bool, width: int | None) -> None:
+    """Print the plan of PIPELINE, or of a PLAN file (a plan.json from `rlgraph compile`): ops,
+    columns, worker groups, padding, schedule and resolved config."""
+    console = _console(width)
+    if list_config:
+        if _is_plan(target):
+            raise click.UsageError(
+                f"--config needs a PIPELINE: a plan stores config values but not their types and docs; "
+                f"run `rlgraph describe PIPELINE --config` on the pipeline that {target!r} was compiled from"
+            )
+        _print(console, _config_keys(target, overrides))
+        return
+    _print(console, *show.sections(_plan_or_compile(target, overrides)))
+
+
+def main() -> None:
+    """Entry point of the `rlgraph` console script."""
+    # A console script does not put the working directory on sys.path the way `python -m`
+    # does; without it `rlgraph describe mypipelines:ppo` could not import ./mypipelines.py.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    cli(prog_name="rlgraph")
+
+
+if __name__ == "__main__":
+    main()
