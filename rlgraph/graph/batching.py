@@ -103,5 +103,10 @@ def op_batching(g: BuiltGraph, o: OpSpec, plan: BatchPlan) -> OpBatching:
             micro_batches=-(-share[1] // micro) if micro else 1,
             updates_per_step=mini_batches * epochs,
         )
+    if o.granularity == "group":
+        # a group op's micro-batch counts groups (prompts); each padding row is a group of its own
+        groups_per_rank = -(-(plan.batch_size + plan.pad_rows) // dp)
+        return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro,
+                          micro_batches=-(-groups_per_rank // micro) if micro else groups_per_rank)
     return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro,
                       micro_batches=-(-per_rank // micro) if micro else None)

@@ -55,9 +55,10 @@ def _row(t: Table, *cells: Any) -> None:
     t.add_row(*(Text(str(c)) for c in cells))
 
 
-def _batching(b: OpBatching) -> str:
+def _batching(b: OpBatching, granularity: str = "sample") -> str:
     """How an op splits the padded batch: mini-batches, then each rank's share in micro-batches."""
-    micro = f" in {b.micro_batches} micro-batches of <={b.micro_batch_size}" if b.micro_batch_size else ""
+    unit = " groups" if granularity == "group" else ""
+    micro = f" in {b.micro_batches} micro-batches of <={b.micro_batch_size}{unit}" if b.micro_batch_size else ""
     if b.mini_batch_samples is None:
         return f"per rank {b.samples_per_rank}{micro}"
     lo, hi = b.rank_mini_batch or [b.mini_batch_samples, b.mini_batch_samples]
@@ -81,7 +82,7 @@ def ops_table(plan: Plan) -> Table:
                "concurrent with", "batching")
     for o in plan.ops:
         _row(t, o.name, o.group, o.batching.dp, o.granularity, _mode(o), o.stage, _inputs(o),
-             ", ".join(o.outputs), ", ".join(o.concurrent_with) or "-", _batching(o.batching))
+             ", ".join(o.outputs), ", ".join(o.concurrent_with) or "-", _batching(o.batching, o.granularity))
     return t
 
 

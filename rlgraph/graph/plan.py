@@ -74,7 +74,9 @@ class OpBatching(_Frozen):
     rank_mini_batch: list[int] | None = Field(
         None, description="[smallest, largest] share of one mini-batch on a rank (equal when dp divides it)"
     )
-    micro_batch_size: int | None = Field(None, description="samples per micro-batch on a rank")
+    micro_batch_size: int | None = Field(
+        None, description="per call on a rank: samples, or groups (prompts) for per-group ops"
+    )
     micro_batches: int | None = Field(
         None, description="micro-batches per rank per mini-batch (per pass for forward-only ops)"
     )
