@@ -9,7 +9,7 @@ code                        what it catches
 config-unknown-key          an override or config value for a key nobody declares
 config-type                 a config value of the wrong type, or outside its choices
 config-namespace            two ops (or an op and a built-in section) share a namespace
-op-duplicate                two ops with the same name
+op-duplicate                two ops with the same name, or an op named like the data source
 op-no-group                 an op that names no worker group
 op-unknown-group            an op naming a worker group that is not declared
 group-duplicate             two worker groups with the same name
@@ -60,6 +60,11 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         if count > 1:
             add(Problem("op-duplicate", f"{count} ops are named {name!r}",
                         "give each op a unique name, e.g. spec.with_(name='ref2')", op=name))
+    for o in p.ops:
+        if o.name == src:
+            add(Problem("op-duplicate", f"op {o.name!r} has the same name as the data source",
+                        f"rename op {o.name!r} (e.g. spec.with_(name={o.name + '_op'!r}), or name=... in @op)",
+                        op=o.name))
     for name, count in Counter(gr.name for gr in p.groups).items():
         if count > 1:
             add(Problem("group-duplicate", f"worker group {name!r} is declared {count} times",
@@ -122,11 +127,14 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
 
     # Cycles (data edges only: state edges cross steps) -----------------------------------------
     d = data_dag(g)
-    for cyc in sorted(nx.simple_cycles(d), key=lambda c: (len(c), c))[:5]:
+    # the source reads nothing, so a cycle through it only comes from an op named like it
+    # (reported above as op-duplicate)
+    cycles = [c for c in nx.simple_cycles(d) if src not in c]
+    for cyc in sorted(cycles, key=lambda c: (len(c), c))[:5]:
         cols = []
         for a, b in zip(cyc, cyc[1:] + cyc[:1]):
             cols += [k for k, attrs in g.dag.get_edge_data(a, b).items() if attrs["kind"] == "data"][:1]
-        path = " -> ".join(cyc + cyc[:1])
+        path = " -> ".join(repr(x) for x in cyc + cyc[:1])
         add(Problem("cycle", f"dependency cycle {path} (through columns {', '.join(repr(c) for c in cols)})",
                     "break the cycle: an op cannot depend on its own output within a step; if the value "
                     "comes from the previous step, declare the column as state (T....state())",
@@ -160,7 +168,8 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         params = {k: g.config.get(f"{o.namespace}.{k}") for k in o.params}
         connected = frozenset(c for c in o.inputs if c in g.producers)
         for prob in o.validate(params, connected):
-            add(prob if prob.op else Problem(prob.code, prob.message, prob.fix, op=o.name, column=prob.column))
+            add(prob if prob.op else Problem(prob.code, f"op {o.name!r}: {prob.message}", prob.fix, op=o.name,
+                                             column=prob.column))
 
     # Resources -------------------------------------------------------------------------------
     if not any(x.code == "config-type" for x in problems):

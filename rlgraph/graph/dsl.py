@@ -180,7 +180,10 @@ def _param_from_signature(opname: str, p: inspect.Parameter, annotation: Any) ->
             f"op {opname!r}: config parameter {p.name!r} must be int, float, str or bool; got "
             f"{annotation!r}"
         )
-    return Param(typ, p.default)
+    try:
+        return Param(typ, p.default)
+    except DeclarationError as e:
+        raise DeclarationError(f"op {opname!r}: config parameter {p.name!r}: {e}") from None
 
 
 def op(
@@ -339,11 +342,16 @@ class DataSource:
 
     columns: Mapping[str, ColumnType]
     params: Mapping[str, Param] = field(default_factory=dict)
-    impl: str | None = None
+    impl: Any = None  # "module:Class", or the class itself
     name: str = "data"
     doc: str = ""
+    impl_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.impl is not None and not isinstance(self.impl, str):
+            ref, file = _impl_ref(self.impl)
+            object.__setattr__(self, "impl", ref)
+            object.__setattr__(self, "impl_file", file)
         object.__setattr__(self, "columns", MappingProxyType(dict(self.columns)))
         prm = {"batch_size": Param(int, 8, "prompts per step", minimum=1), **dict(self.params)}
         object.__setattr__(self, "params", MappingProxyType(prm))

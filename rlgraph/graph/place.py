@@ -83,7 +83,7 @@ def _pack(g: BuiltGraph) -> tuple[dict[str, list[BundlePlan]], list[str], list[f
                 placed.setdefault(pool, []).append(BundlePlan(index=i, node=node, num_cpus=c, num_gpus=gp))
                 break
         else:
-            unplaced.append(f"{pool}[{i}] ({c:g} CPU, {gp:g} GPU)")
+            unplaced.append(f"pool {pool!r} slot {i} ({c:g} CPU, {gp:g} GPU)")
     return placed, unplaced, cpus, gpus
 
 
@@ -94,6 +94,16 @@ def resource_problems(g: BuiltGraph) -> list[Problem]:
     node_cpus = float(g.config["cluster.cpus_per_node"])
     node_gpus = float(g.config["cluster.gpus_per_node"])
     total_cpus, total_gpus = n * node_cpus, n * node_gpus
+    dp_cpus = dataplane_cpus(g.config)
+    if dp_cpus > total_cpus + _EPS:
+        problems.append(Problem(
+            "resources",
+            f"the data plane reserves {dp_cpus:g} CPUs (dataplane.cpus_per_unit="
+            f"{float(g.config['dataplane.cpus_per_unit']):g} x (1 controller + "
+            f"{int(g.config['dataplane.storage_units'])} storage unit(s))) but the cluster has {total_cpus:g} "
+            f"({n} node(s) x {node_cpus:g}); TransferQueue would hang at start-up",
+            "lower dataplane.storage_units or dataplane.cpus_per_unit, raise cluster.num_nodes / "
+            "cluster.cpus_per_node, or set dataplane.backend=ray"))
     groups = resolved_groups(g)
     for gr in groups:
         need_c, need_g = gr.dp * gr.num_cpus, gr.dp * gr.num_gpus
@@ -106,19 +116,18 @@ def resource_problems(g: BuiltGraph) -> list[Problem]:
                     "resources",
                     f"worker group {gr.name!r} needs {need:g} {what} (dp={gr.dp} x {per:g}) but the cluster "
                     f"has {have:g} ({n} node(s) x {per_node:g})",
-                    f"lower groups.{gr.name}.dp or groups.{gr.name}.num_{what[:3].lower()}, or raise "
+                    f"lower groups.{gr.name}.dp or groups.{gr.name}.num_{what.lower()}, or raise "
                     f"cluster.num_nodes / cluster.{key}"))
             elif per > per_node + _EPS:
                 problems.append(Problem(
                     "resources",
                     f"worker group {gr.name!r} needs {per:g} {what} per worker but a node has {per_node:g}",
-                    f"lower groups.{gr.name}.num_{what[:3].lower()} to at most {per_node:g} or raise "
+                    f"lower groups.{gr.name}.num_{what.lower()} to at most {per_node:g} or raise "
                     f"cluster.{key}"))
     if problems:
         return problems
     _, unplaced, _, _ = _pack(g)
     if unplaced:
-        dp_cpus = dataplane_cpus(g.config)
         problems.append(Problem(
             "placement",
             f"{len(unplaced)} worker slot(s) do not fit on the cluster's {n} node(s) of {node_cpus:g} CPU / "

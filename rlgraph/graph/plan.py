@@ -188,7 +188,9 @@ class Plan(_Frozen):
     rlgraph_version: str
     pipeline: str = Field(description="pipeline name")
     pipeline_ref: str | None = Field(None, description="how to load the pipeline again (file or module:attr)")
+    source: str = Field("data", description="name of the data source node (and of its config namespace)")
     source_impl: str | None = Field(None, description="'module:qualname' of the data source")
+    source_impl_file: str | None = Field(None, description="source file of the data source's module")
     config: dict[str, Any] = Field(description="the resolved config, nested")
     overrides: dict[str, str] = Field(description="the key=value overrides given at compile time")
     columns: dict[str, ColumnPlan]

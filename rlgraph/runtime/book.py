@@ -85,7 +85,7 @@ class StepBook:
         self.step = step
         self.num_rows = len(uids)
         cols = source_columns if source_columns is not None else [
-            c for c, cp in plan.columns.items() if cp.producer == _source_name(plan)
+            c for c, cp in plan.columns.items() if cp.producer == plan.source
         ]
         # column -> rows that have it; source columns exist for every row from the start
         self.ready: dict[str, set[int]] = {c: set(range(self.num_rows)) for c in cols}
@@ -159,10 +159,3 @@ class StepBook:
         if chunk.index not in st.pending:
             st.pending.insert(0, chunk.index)
 
-
-def _source_name(plan: Plan) -> str:
-    ops = {o.name for o in plan.ops}
-    for col in plan.columns.values():
-        if col.producer not in ops:
-            return col.producer
-    return "data"

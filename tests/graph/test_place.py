@@ -1,0 +1,110 @@
+"""Pass 6, place: groups onto pools, pools onto nodes (first fit, largest first), data-plane CPUs.
+
+PPO's groups (examples/ppo.py): actor, critic, reward with 1 CPU per worker, advantage with 0.5;
+dp=1 each; one node of 8 CPUs. TransferQueue reserves cpus_per_unit x (1 controller + units).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlgraph.graph.build import build
+from rlgraph.graph.check import check
+from rlgraph.graph.compile import compile_pipeline
+from rlgraph.graph.place import dataplane_cpus, place, resource_problems
+
+
+def _nodes(plan) -> dict[str, list[int]]:
+    return {p.name: [b.node for b in p.bundles] for p in plan.pools}
+
+
+def test_ppo_places_one_bundle_per_group_on_one_node(ppo) -> None:
+    plan = compile_pipeline(ppo)
+    assert [p.name for p in plan.pools] == ["actor", "critic", "reward", "advantage"]
+    assert _nodes(plan) == {"actor": [0], "critic": [0], "reward": [0], "advantage": [0]}
+    # data plane 1 x (1 + 1) = 2; workers 1 + 1 + 1 + 0.5 = 3.5; total 5.5
+    assert plan.cluster.dataplane_cpus == 2.0
+    assert plan.cluster.required_cpus == 5.5
+    assert plan.cluster.required_gpus == 0.0
+    assert plan.group("actor").ops == ["generate", "old_logprob", "ref", "update_actor"]
+
+
+def test_colocated_groups_share_the_bundles_of_one_pool(ppo) -> None:
+    plan = compile_pipeline(ppo, ["groups.critic.pool=actor", "groups.critic.dp=3", "groups.critic.num_cpus=2",
+                                  "groups.actor.dp=2", "cluster.cpus_per_node=16"])
+    pools = {p.name: p for p in plan.pools}
+    assert list(pools) == ["actor", "reward", "advantage"]
+    shared = pools["actor"]
+    assert shared.groups == ["actor", "critic"]
+    # pool size = max(dp) = max(2, 3) = 3 bundles, each max(1, 2) = 2 CPUs
+    assert [(b.index, b.num_cpus) for b in shared.bundles] == [(0, 2.0), (1, 2.0), (2, 2.0)]
+    assert plan.group("critic").pool == "actor"
+    # data plane 2 + shared 3 x 2 + reward 1 + advantage 0.5 = 9.5
+    assert plan.cluster.required_cpus == 9.5
+
+
+def test_colocated_reward_model_rides_on_the_actor_gpus(ppo) -> None:
+    plan = compile_pipeline(ppo, ["cluster.gpus_per_node=2", "groups.actor.num_gpus=1", "groups.actor.dp=2",
+                                  "groups.reward.pool=actor"])
+    shared = {p.name: p for p in plan.pools}["actor"]
+    # reward (dp 1, no GPU) time-shares the actor's 2 one-GPU bundles: no extra bundle, no extra GPU
+    assert shared.groups == ["actor", "reward"]
+    assert [(b.num_cpus, b.num_gpus) for b in shared.bundles] == [(1.0, 1.0), (1.0, 1.0)]
+    assert plan.cluster.required_gpus == 2.0
+
+
+@pytest.mark.parametrize(
+    "overrides, cpus",
+    [
+        ([], 2.0),  # 1 CPU x (1 controller + 1 unit)
+        (["dataplane.storage_units=3"], 4.0),  # 1 x (1 + 3)
+        (["dataplane.storage_units=3", "dataplane.cpus_per_unit=0.5"], 2.0),  # 0.5 x (1 + 3)
+        (["dataplane.backend=ray"], 0.0),  # Ray's object store reserves no CPUs
+    ],
+)
+def test_data_plane_cpus_are_reserved(ppo, overrides, cpus) -> None:
+    plan = compile_pipeline(ppo, overrides)
+    assert plan.cluster.dataplane_cpus == cpus
+    assert dataplane_cpus(build(ppo, overrides).config) == cpus
+    # workers 1 + 1 + 1 + 0.5 = 3.5 on top
+    assert plan.cluster.required_cpus == cpus + 3.5
+
+
+def test_data_plane_reservation_is_taken_from_node_0_first(ppo) -> None:
+    two_small = ["cluster.num_nodes=2", "cluster.cpus_per_node=3"]
+    # node 0 keeps 3 - 2 = 1 CPU after the data plane; bundles largest first, then by pool name:
+    # actor 1 -> node 0 (0 left); critic 1 -> node 1 (2 left); reward 1 -> node 1 (1 left);
+    # advantage 0.5 -> node 1 (0.5 left)
+    assert _nodes(compile_pipeline(ppo, two_small)) == {"actor": [0], "critic": [1], "reward": [1],
+                                                        "advantage": [1]}
+    # without the reservation node 0 takes actor, critic and reward (3 CPUs); advantage goes to node 1
+    assert _nodes(compile_pipeline(ppo, [*two_small, "dataplane.backend=ray"])) == {
+        "actor": [0], "critic": [0], "reward": [0], "advantage": [1]}
+
+
+def test_multi_node_packing_first_fit_largest_first(ppo) -> None:
+    plan = compile_pipeline(ppo, ["cluster.num_nodes=2", "cluster.cpus_per_node=5", "groups.actor.dp=2",
+                                  "groups.actor.num_cpus=2"])
+    # free CPUs [5 - 2 = 3, 5]; order: actor[0] 2, actor[1] 2, critic 1, reward 1, advantage 0.5
+    # actor[0] -> node 0 (1 left); actor[1] -> node 1 (3 left); critic -> node 0 (0 left);
+    # reward -> node 1 (2 left); advantage -> node 1 (1.5 left)
+    assert _nodes(plan) == {"actor": [0, 1], "critic": [0], "reward": [1], "advantage": [1]}
+    assert [b.index for b in plan.pools[0].bundles] == [0, 1]
+
+
+def test_gpu_bundles_are_packed_first(ppo) -> None:
+    plan = compile_pipeline(ppo, ["cluster.num_nodes=2", "cluster.gpus_per_node=2", "groups.actor.dp=3",
+                                  "groups.actor.num_gpus=1", "groups.critic.num_gpus=1"])
+    # GPU bundles first: actor[0], actor[1] -> node 0 (its 2 GPUs); actor[2], critic[0] -> node 1;
+    # then the CPU-only reward and advantage -> node 0 (8 - 2 data plane - 2 actor = 4 CPUs left)
+    assert _nodes(plan) == {"actor": [0, 0, 1], "critic": [1], "reward": [0], "advantage": [0]}
+    assert plan.cluster.required_gpus == 4.0  # 3 x 1 + 1
+
+
+def test_place_is_pure(ppo) -> None:
+    g = check(build(ppo))
+    assert resource_problems(g) == []
+    groups, pools, cluster = place(g)
+    assert place(g) == (groups, pools, cluster)
+    assert [gp.name for gp in groups] == ["actor", "critic", "reward", "advantage"]
+    assert cluster.num_nodes == 1 and cluster.cpus_per_node == 8.0

@@ -1,0 +1,17 @@
+"""Op 'update' names worker group 'worker' (a typo): only 'workers' is declared."""
+
+import rlgraph
+from rlgraph import DataSource, Pipeline, T, WorkerGroup
+
+
+@rlgraph.op(outputs={"score": T.float32()}, group="workers")
+def judge(prompt: T.str()):
+    return 1.0
+
+
+@rlgraph.op(outputs={"update_metrics": T.json().metric()}, group="worker", granularity="batch")
+def update(score: T.float32()):
+    return {}
+
+
+pipeline = Pipeline("unknown_group", DataSource({"prompt": T.str()}), [judge, update], [WorkerGroup("workers")])
