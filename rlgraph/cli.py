@@ -1,10 +1,11 @@
-"""The `rlgraph` command: compile, validate, draw and describe pipelines.
+"""The `rlgraph` command: compile, validate, draw, describe and run pipelines.
 
     rlgraph compile examples/ppo.py -o build/ppo data.batch_size=45
     rlgraph validate examples/ppo.py actor.lr=1e-6
     rlgraph viz examples/ppo.py -o ppo.svg
     rlgraph describe examples/ppo.py rollout.n=8      # or a compiled build/ppo/plan.json
     rlgraph describe examples/ppo.py --config         # every config key: type, default, doc
+    rlgraph run examples/ppo.py -o runs/ppo --steps 3 # on Ray, local on 127.0.0.1 by default
 
 PIPELINE is a Python file or ``module:attr``; trailing ``key=value`` arguments override its
 config. Exit status: 0 success; 1 a problem with the pipeline, its config or a plan file
@@ -108,7 +109,7 @@ _overrides_argument = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]
 @click.group("rlgraph", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="rlgraph")
 def cli() -> None:
-    """Compile, check, draw and describe rlgraph pipelines.
+    """Compile, check, draw, describe and run rlgraph pipelines.
 
     PIPELINE is a Python file (examples/ppo.py) or module:attr (mypkg.pipelines:ppo).
     Exit status: 0 ok, 1 a problem with the pipeline, config or plan, 2 bad usage.
@@ -182,6 +183,48 @@ def describe(target: str, overrides: tuple[str, ...], list_config: bool, width: 
         _print(console, _config_keys(target, overrides))
         return
     _print(console, *show.sections(_plan_or_compile(target, overrides)))
+
+
+@cli.command(epilog=_OVERRIDES_HELP)
+@click.argument("target", metavar="PLAN|PIPELINE")
+@_overrides_argument
+@click.option("-o", "--output", "out_dir", default=None, metavar="DIR",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Run directory for metrics.jsonl, trace.json, timeline.svg, checkpoints [default: runs/<pipeline>].")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps to run [default: trainer.steps].")
+@click.option("--schedule", type=click.Choice(["stream", "sync"]), default=None,
+              help="stream: ops start on partial data; sync: a barrier after each stage [default: trainer.schedule].")
+@click.option("--address", default=None, metavar="ADDR",
+              help="Join this Ray cluster instead of starting Ray locally on 127.0.0.1.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in DIR.")
+@click.option("--dataplane", type=click.Choice(["transferqueue", "ray"]), default=None,
+              help="Where columns live between ops [default: dataplane.backend].")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="Longest wait, in seconds, for any single op call or start-up step.")
+def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: int | None, schedule: str | None,
+        address: str | None, resume: bool, dataplane: str | None, timeout_s: float) -> None:
+    """Run a plan (or compile and run a pipeline) on Ray.
+
+    Writes DIR/metrics.jsonl (one JSON object per step), DIR/trace.json (open in Perfetto) and
+    DIR/timeline.svg (op calls per worker against time), plus plan.json and pipeline.svg.
+    """
+    from rlgraph.runtime.progress import make_reporter
+    from rlgraph.runtime.runner import RunOptions, run_plan
+
+    plan = _plan_or_compile(target, overrides)
+    out = out_dir or Path("runs") / plan.pipeline
+    if not _is_plan(target):
+        plan.save(out / "plan.json")
+        _draw(plan, out / "pipeline.svg")
+    options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
+                         timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out))
+    try:
+        records = run_plan(plan, options)
+    except KeyboardInterrupt:
+        click.echo("interrupted: Ray and the data plane were shut down", err=True)
+        sys.exit(130)
+    click.echo(f"ran {len(records)} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
+               f"{out / 'trace.json'}, {out / 'timeline.svg'}")
 
 
 def main() -> None:

@@ -270,7 +270,7 @@ def test_describe_a_missing_plan_file(tmp_path):
         (["viz", PPO], "Missing option '-o'"),
         (["describe", PPO, "--bogus"], "No such option '--bogus'"),
         (["describe", PPO, "--width", "10"], "Invalid value for '--width'"),
-        (["run", PPO], "No such command 'run'"),
+        (["train", PPO], "No such command 'train'"),
     ],
 )
 def test_bad_usage_exits_2(args, message):

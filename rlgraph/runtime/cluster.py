@@ -1,0 +1,146 @@
+"""Starting or joining Ray, and checking the cluster against the plan before any actor starts.
+
+With no address, Ray starts locally on 127.0.0.1 with the plan's node size as its logical CPUs
+(CPU counts in a plan are logical, so a 2-core laptop can run a plan declared for 8 CPUs); with
+an address, the run joins that cluster. Either way, every resource the plan needs, the data
+plane's included, is compared with what the cluster has, and anything missing fails the run
+with a list, instead of a placement group that waits forever (peers hang here).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rlgraph.errors import RLGraphError
+from rlgraph.graph.plan import Plan
+
+__all__ = ["ClusterError", "RayHandle", "force_loopback", "start_ray", "missing_resources", "check_cluster"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class ClusterError(RLGraphError):
+    """Ray could not be started or joined, or the cluster lacks resources the plan needs."""
+
+
+@dataclass
+class RayHandle:
+    """Ray as this run found it: whether we started it (and so must stop it)."""
+
+    started_here: bool
+    address: str | None
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.started_here and ray.is_initialized():
+            ray.shutdown()
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # torch without CUDA support
+        return 0
+
+
+def force_loopback() -> None:
+    """Keep a local Ray (and TransferQueue, which binds to Ray's node address) on 127.0.0.1.
+
+    On Linux, Ray resolves ``_node_ip_address="127.0.0.1"`` to the external interface unless its
+    cluster mode is off: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (inherited by Ray's workers) and
+    the constant it was read into, for the case where ray was imported before this call.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def start_ray(plan: Plan, address: str | None = None) -> RayHandle:
+    """Join `address`, or start Ray locally on 127.0.0.1 sized from the plan.
+
+    An already initialised Ray (e.g. a test session's) is reused and left running.
+    """
+    import ray
+
+    os.environ.setdefault("TQ_NUM_THREADS", "2")
+    if ray.is_initialized():
+        return RayHandle(started_here=False, address=None)
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except Exception as e:
+            raise ClusterError(f"cannot join the Ray cluster at {address!r}: {type(e).__name__}: {e}; check the "
+                               f"address (ray status on the head node prints it)") from e
+        return RayHandle(started_here=True, address=address)
+    if plan.cluster.num_nodes > 1:
+        raise ClusterError(
+            f"the plan was compiled for {plan.cluster.num_nodes} nodes, but no --address was given and a local "
+            f"Ray has one node; pass --address of your cluster, or recompile with cluster.num_nodes=1"
+        )
+    force_loopback()
+    ray.init(
+        num_cpus=max(int(plan.cluster.cpus_per_node), 1),
+        num_gpus=_local_gpus(),
+        include_dashboard=False,
+        _node_ip_address=LOOPBACK,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    return RayHandle(started_here=True, address=None)
+
+
+def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
+    """What the plan needs that `nodes` (each node's total resources) lack, as sentences.
+
+    Checks the totals, then that every bundle fits on some node (first-fit, largest first).
+    """
+    need_cpu = plan.cluster.required_cpus
+    need_gpu = plan.cluster.required_gpus
+    have_cpu = sum(n.get("CPU", 0.0) for n in nodes)
+    have_gpu = sum(n.get("GPU", 0.0) for n in nodes)
+    out = []
+    if need_cpu > have_cpu + 1e-9:
+        out.append(f"{need_cpu:g} CPUs needed ({plan.cluster.dataplane_cpus:g} for the data plane, the rest for "
+                   f"worker groups), the cluster has {have_cpu:g}")
+    if need_gpu > have_gpu + 1e-9:
+        out.append(f"{need_gpu:g} GPUs needed, the cluster has {have_gpu:g}")
+    if out:
+        return out
+    free = [[n.get("CPU", 0.0), n.get("GPU", 0.0)] for n in nodes]
+    reserve = plan.cluster.dataplane_cpus
+    for f in free:
+        take = min(reserve, f[0])
+        f[0] -= take
+        reserve -= take
+    bundles = sorted(((p.name, b) for p in plan.pools for b in p.bundles),
+                     key=lambda x: (-x[1].num_gpus, -x[1].num_cpus, x[0], x[1].index))
+    for pool, b in bundles:
+        for f in free:
+            if f[0] + 1e-9 >= b.num_cpus and f[1] + 1e-9 >= b.num_gpus:
+                f[0] -= b.num_cpus
+                f[1] -= b.num_gpus
+                break
+        else:
+            out.append(f"pool {pool!r} slot {b.index} needs {b.num_cpus:g} CPU and {b.num_gpus:g} GPU on one node; "
+                       f"no node has that left")
+    return out
+
+
+def check_cluster(plan: Plan) -> None:
+    """Raise `ClusterError` listing every resource the running Ray cluster lacks for `plan`."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    missing = missing_resources(plan, nodes)
+    if missing:
+        raise ClusterError(
+            "the Ray cluster lacks resources this plan needs (nothing was started):\n  - "
+            + "\n  - ".join(missing)
+            + "\nfix: recompile for this cluster (cluster.cpus_per_node=..., groups.<name>.dp=..., "
+            "groups.<name>.num_cpus=...), or add nodes"
+        )

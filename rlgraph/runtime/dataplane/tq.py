@@ -1,0 +1,416 @@
+"""`TransferQueueDataPlane`: the data plane on TransferQueue (PyPI ``transferqueue``, 0.1.x).
+
+How our semantics map onto TransferQueue (TQ):
+
+- TQ has one controller (a Ray actor tracking, per row and field, "produced" and, per task,
+  "consumed") and ``num_storage_units`` storage actors holding the payload; clients talk to
+  them over ZMQ, so payload goes worker -> storage unit -> worker. The controller and every
+  storage unit are declared ``@ray.remote(num_cpus=1)`` inside TQ (not configurable), so
+  starting TQ needs ``1 + num_storage_units`` free CPUs. With fewer, ``tq.init`` waits forever;
+  `check_tq_resources` checks up front and ``start`` also runs ``tq.init`` under a timeout.
+- Rows: ``create_partition(p, n)`` registers TQ keys ``"0".."n-1"`` (TQ's key-value API), which
+  gives each row a TQ *global index* (unique across partitions, reused after a clear), and
+  stores ``{"row": i}`` as the row's TQ custom meta. A `RowBatch` carries both: ``rows`` are
+  ours, ``keys`` are the global indexes. ``put``/``get`` with a batch from ``ready`` reuse the
+  keys; with bare row ids they cost one extra lookup (``kv_retrieve_meta``).
+- ``ready`` is TQ's ``get_meta(mode="fetch")`` with ``polling_mode=True`` (returns an empty
+  batch instead of blocking). TQ itself only answers "exactly batch_size rows or nothing", so
+  we register `_RowOrderSampler` on the controller: asked with our ``sampling_config`` flag it
+  takes *up to* ``max_rows`` ready rows, lowest row id first, atomically in the controller.
+  Rows come back from the custom meta, so ``ready`` is one round trip.
+- ``get`` builds a minimal TQ ``BatchMeta`` (global indexes + field names, all SimpleStorage
+  needs) and calls ``get_data``; TQ returns jagged nested tensors for every non-scalar field,
+  which we turn back into dense tensors or per-row lists (`assemble_rows`).
+- Every call runs on this module's own event loop thread under ``asyncio.wait_for``, so each
+  wait has a timeout whose error names what it waited for.
+
+TQ allows one instance per Ray cluster (the controller is the named actor
+``TransferQueueController`` in namespace ``transfer_queue``); ``start`` refuses to attach to
+one it did not start. Networking: TQ binds its ZMQ sockets to ``ray.util.get_node_ip_address()``
+(Ray's node IP). On Linux Ray turns ``_node_ip_address="127.0.0.1"`` into the external address
+unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before ``ray.init``; with it, Ray and TQ
+listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Mapping
+
+# TQ reads TQ_NUM_THREADS at import; its default (8) exceeds small machines' cores and makes
+# every put/get log a warning. An explicit setting by the user wins.
+os.environ.setdefault("TQ_NUM_THREADS", "2")
+
+import ray  # noqa: E402
+import ray.exceptions  # noqa: E402
+import torch  # noqa: E402
+import transfer_queue as tq  # noqa: E402
+from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
+from transfer_queue import BatchMeta  # noqa: E402
+from transfer_queue.client import AsyncTransferQueueClient  # noqa: E402
+from transfer_queue.sampler import BaseSampler  # noqa: E402
+
+from rlgraph.runtime.dataplane.base import (  # noqa: E402
+    ColumnData,
+    DataPlane,
+    DataPlaneClient,
+    DataPlaneError,
+    DataPlaneHandle,
+    RowBatch,
+    _Column,
+    assemble_rows,
+)
+
+__all__ = [
+    "TransferQueueConfig",
+    "TransferQueueDataPlane",
+    "TransferQueueHandle",
+    "check_tq_resources",
+    "tq_resource_problems",
+]
+
+CONTROLLER_NAME = "TransferQueueController"  # fixed by tq.init
+CONTROLLER_NAMESPACE = "transfer_queue"
+STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"  # fixed by TQ's SimpleStorage bootstrap
+CPUS_PER_TQ_ACTOR = 1  # @ray.remote(num_cpus=1) on TQ's controller and SimpleStorageUnit
+_UP_TO = "rlgraph_up_to"  # sampling_config flag understood by _RowOrderSampler
+
+
+@dataclass(frozen=True)
+class TransferQueueConfig:
+    """What ``TransferQueueDataPlane.start`` starts and how long it waits."""
+
+    num_storage_units: int = 2
+    """SimpleStorage units (Ray actors, 1 CPU each, round-robin over alive nodes)."""
+    total_storage_size: int | None = None
+    """Max rows held over all units; None = unlimited."""
+    start_timeout_s: float = 120.0
+    """Limit for ``tq.init`` (7-10 s on a 2-core machine)."""
+    op_timeout_s: float = 60.0
+    """Limit for each put/ready/get/clear round trip."""
+
+
+class _RowOrderSampler(BaseSampler):
+    """Runs inside TQ's controller. Takes up to ``batch_size`` ready rows, lowest row id first.
+
+    TQ's controller, in polling mode, calls the sampler even with fewer than ``batch_size``
+    ready rows only when ``has_cached_result`` says so; we answer yes for our flag. Row ids are
+    the keys registered by ``create_partition``.
+    """
+
+    def sample(self, ready_indexes, batch_size, *args, partition=None, **kwargs):
+        if not ready_indexes:
+            return [], []
+        keys = partition.kv_retrieve_keys(list(ready_indexes))
+        order = sorted(range(len(ready_indexes)), key=lambda i: int(keys[i]))
+        chosen = [ready_indexes[i] for i in order[:batch_size]]
+        return chosen, chosen
+
+    def has_cached_result(self, partition_id, task_name, sampling_config=None):
+        return bool((sampling_config or {}).get(_UP_TO))
+
+
+# --------------------------------------------------------------------------- resources
+def tq_resource_problems(
+    num_storage_units: int, available_cpus: float, node_cpus: Mapping[str, float]
+) -> list[str]:
+    """Why TQ would not start, or []. Pure (tested without Ray).
+
+    ``node_cpus``: total CPUs of each alive node. TQ pins storage unit ``i`` to the ``i % n``-th
+    alive node (sorted by id) with a hard node affinity, so each node must fit its share too.
+    """
+    problems = []
+    if num_storage_units < 1:
+        problems.append(f"num_storage_units must be >= 1, got {num_storage_units}")
+        return problems
+    need = CPUS_PER_TQ_ACTOR * (1 + num_storage_units)
+    if available_cpus < need:
+        problems.append(
+            f"TransferQueue needs {need} free CPUs (1 for its controller + 1 per storage unit x "
+            f"{num_storage_units}; TQ hard-codes num_cpus=1 per actor) but the Ray cluster has "
+            f"{available_cpus:g} free: missing {need - available_cpus:g} CPU. Fix: start Ray with "
+            f"more num_cpus (logical CPUs may exceed cores), lower num_storage_units, or free "
+            f"CPUs held by other actors"
+        )
+    nodes = sorted(node_cpus)
+    if not nodes:
+        problems.append("the Ray cluster has no alive nodes")
+        return problems
+    for k, node in enumerate(nodes):
+        units = len(range(k, num_storage_units, len(nodes)))
+        if units * CPUS_PER_TQ_ACTOR > node_cpus[node]:
+            problems.append(
+                f"node {node[:12]} gets {units} TransferQueue storage units (TQ pins them "
+                f"round-robin) but has {node_cpus[node]:g} CPUs in total: missing "
+                f"{units * CPUS_PER_TQ_ACTOR - node_cpus[node]:g} CPU there"
+            )
+    return problems
+
+
+def check_tq_resources(num_storage_units: int) -> None:
+    """Raise `DataPlaneError` listing every missing resource if TQ cannot start in the
+    connected Ray cluster; starting it anyway would hang."""
+    if not ray.is_initialized():
+        raise DataPlaneError("TransferQueue needs Ray: call ray.init() first")
+    nodes = {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")}
+    problems = tq_resource_problems(num_storage_units, float(ray.available_resources().get("CPU", 0)), nodes)
+    if problems:
+        raise DataPlaneError("cannot start TransferQueue:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# --------------------------------------------------------------------------- client
+class _Loop:
+    """An event loop on a daemon thread; ``run`` waits for a coroutine with a timeout."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[Any], timeout: float, what: str) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
+        try:
+            return fut.result()
+        except asyncio.TimeoutError:
+            raise DataPlaneError(f"timed out after {timeout}s waiting for TransferQueue to {what}") from None
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5.0)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _to_tq(col: _Column) -> Any:
+    if col.kind == "dense":
+        return col.value
+    if col.kind == "ragged":
+        try:
+            return torch.nested.as_nested_tensor(col.value, layout=torch.jagged)
+        except (RuntimeError, TypeError, ValueError):
+            return torch.nested.as_nested_tensor(col.value, layout=torch.strided)
+    return NonTensorStack(*col.value)
+
+
+def _from_tq(value: Any) -> ColumnData:
+    if isinstance(value, (NonTensorStack, NonTensorData)):
+        rows = value.tolist()
+        return list(rows) if isinstance(value, NonTensorStack) else [rows]
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        if value.layout == torch.jagged and value.dim() == 2:
+            lengths = value.offsets().diff()
+            if bool((lengths == lengths[0]).all()):  # 1-D rows of one length: dense
+                return value.values().view(value.size(0), int(lengths[0]))
+        return assemble_rows(value.unbind())
+    if isinstance(value, torch.Tensor):
+        return value  # TQ stacks per-row scalars densely
+    return assemble_rows(list(value))
+
+
+class _TQClient(DataPlaneClient):
+    """Worker side: an ``AsyncTransferQueueClient`` (TQ's public async client) on our loop."""
+
+    def __init__(self, controller: Any, op_timeout_s: float) -> None:
+        self._timeout = op_timeout_s
+        try:
+            conf = ray.get(controller.get_config.remote(), timeout=op_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise DataPlaneError(
+                f"timed out after {op_timeout_s}s waiting for the TransferQueue controller's config"
+            ) from None
+        if conf is None:
+            raise DataPlaneError("the TransferQueue controller has no config yet: is tq.init still running?")
+        client_id = f"rlgraph_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        self._client = AsyncTransferQueueClient(client_id=client_id, controller_info=conf.controller.zmq_info)
+        backend = conf.backend.storage_backend
+        try:  # handshakes with the controller (TQ_STORAGE_HANDSHAKE_TIMEOUT, 30 s by default)
+            self._client.initialize_storage_manager(manager_type=backend, config=conf.backend[backend])
+        except Exception as e:
+            self._client.close()
+            raise DataPlaneError(f"could not connect to TransferQueue's storage: {e}") from e
+        self._loop: _Loop | None = _Loop(f"{client_id}_loop")
+
+    def _run(self, coro: Awaitable[Any], what: str) -> Any:
+        return self._loop.run(coro, self._timeout, what)
+
+    def _meta(self, batch: RowBatch, columns: tuple[str, ...] = ()) -> BatchMeta:
+        """A TQ BatchMeta for ``batch``, looking the keys up if the batch has none."""
+        keys = batch.keys
+        if not keys:
+            found = self._run(
+                self._client.async_kv_retrieve_meta([str(r) for r in batch.rows], batch.partition, create=False),
+                f"look up rows of partition {batch.partition!r}",
+            )
+            if found.size != len(batch):
+                known = {int(m["row"]) for m in found.custom_meta if "row" in m}
+                missing = [r for r in batch.rows if r not in known]
+                raise DataPlaneError(
+                    f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
+                    f"{batch.partition!r}; call create_partition with enough rows first"
+                )
+            keys = tuple(found.global_indexes)
+        return BatchMeta(
+            global_indexes=list(keys),
+            partition_ids=[batch.partition] * len(keys),
+            field_schema={c: {} for c in columns},
+            custom_meta=[{"row": r} for r in batch.rows],
+        )
+
+    def _put(self, batch: RowBatch, columns: dict[str, _Column]) -> None:
+        meta = self._meta(batch)
+        data = TensorDict({name: _to_tq(col) for name, col in columns.items()}, batch_size=len(batch))
+        self._run(self._client.async_put(data, metadata=meta),
+                  f"put columns {sorted(columns)} to partition {batch.partition!r}")
+
+    def _ready(self, partition: str, columns: tuple[str, ...], task: str, max_rows: int) -> RowBatch:
+        meta = self._run(
+            self._client.async_get_meta(
+                data_fields=list(columns), batch_size=max_rows, partition_id=partition,
+                mode="fetch", task_name=task, sampling_config={_UP_TO: True},
+            ),
+            f"find rows of partition {partition!r} ready for task {task!r}",
+        )
+        rows = tuple(int(m["row"]) for m in meta.custom_meta)
+        return RowBatch(partition, rows, tuple(meta.global_indexes), columns)
+
+    def _get(self, batch: RowBatch, columns: tuple[str, ...]) -> dict[str, ColumnData]:
+        meta = self._meta(batch, columns)
+        try:
+            data = self._run(self._client.async_get_data(meta),
+                             f"get columns {list(columns)} of partition {batch.partition!r}")
+        except DataPlaneError:
+            raise
+        except Exception as e:  # TQ raises StorageKeyNotFoundError / RuntimeError for missing cells
+            raise DataPlaneError(
+                f"get columns {list(columns)} of partition {batch.partition!r} failed, most likely a "
+                f"column was never written for some of rows {list(batch.rows)[:8]}; wait for ready() "
+                f"before get(). TransferQueue said: {e}"
+            ) from None
+        return {c: _from_tq(data.get(c)) for c in columns}
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        self._loop.stop()
+        self._client.close()
+        self._loop = None
+
+
+@dataclass(frozen=True)
+class TransferQueueHandle(DataPlaneHandle):
+    """Picklable: the controller's actor handle; ``connect()`` reads its config and opens a client."""
+
+    controller: Any
+    op_timeout_s: float = 60.0
+
+    def connect(self) -> DataPlaneClient:
+        return _TQClient(self.controller, self.op_timeout_s)
+
+
+class TransferQueueDataPlane(_TQClient, DataPlane):
+    """Driver side of the TransferQueue backend. ``start()`` runs ``tq.init`` (controller in
+    polling mode, SimpleStorage units, our sampler); ``close()`` runs ``tq.close``."""
+
+    def __init__(self, controller: Any, config: TransferQueueConfig) -> None:
+        super().__init__(controller, config.op_timeout_s)
+        self._controller = controller
+        self.config = config
+        self._owner_pid = os.getpid()
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: TransferQueueConfig | None = None) -> "TransferQueueDataPlane":
+        """Check resources, start TQ in the connected Ray cluster, return the driver side."""
+        config = config or TransferQueueConfig()
+        if not ray.is_initialized():
+            raise DataPlaneError("TransferQueueDataPlane.start() needs Ray: call ray.init() first")
+        try:
+            ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise DataPlaneError(
+                f"a TransferQueue controller ({CONTROLLER_NAME!r} in namespace {CONTROLLER_NAMESPACE!r}) "
+                f"already runs in this Ray cluster and TQ allows one; close the plane that started it, "
+                f"or connect to it with that plane's handle().connect()"
+            )
+        check_tq_resources(config.num_storage_units)
+        _run_tq_init(config)
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        try:
+            ray.get(controller.register_sampler.remote(_RowOrderSampler()), timeout=config.op_timeout_s)
+            return cls(controller, config)
+        except BaseException:
+            tq.close()
+            raise
+
+    def create_partition(self, partition: str, num_rows: int) -> None:
+        if num_rows < 1:
+            raise DataPlaneError(f"partition {partition!r}: num_rows must be >= 1, got {num_rows}")
+        existing = self._run(self._client.async_get_partition_list(), "list partitions")
+        if partition in existing:
+            raise DataPlaneError(f"partition {partition!r} already exists; clear it before creating it again")
+        meta = self._run(
+            self._client.async_kv_retrieve_meta([str(i) for i in range(num_rows)], partition, create=True),
+            f"register {num_rows} rows of partition {partition!r}",
+        )
+        meta.update_custom_meta([{"row": i} for i in range(num_rows)])
+        self._run(self._client.async_set_custom_meta(meta), f"tag rows of partition {partition!r}")
+
+    def clear(self, partition: str) -> None:
+        self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
+
+    def handle(self) -> TransferQueueHandle:
+        return TransferQueueHandle(self._controller, self.config.op_timeout_s)
+
+    def close(self) -> None:
+        if self._closed or os.getpid() != self._owner_pid:
+            return
+        self._closed = True
+        super().close()
+        tq.close()
+
+
+def _run_tq_init(config: TransferQueueConfig) -> None:
+    """``tq.init`` under a timeout. It waits on Ray actors without one; if they never start we
+    kill what it created, which makes its pending ``ray.get`` fail and frees its thread."""
+    conf = {
+        "controller": {"polling_mode": True},
+        "backend": {"SimpleStorage": {
+            "num_data_storage_units": config.num_storage_units,
+            "total_storage_size": config.total_storage_size,
+        }},
+    }
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            tq.init(conf)
+        except BaseException as e:  # reported below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="rlgraph_tq_init", daemon=True)
+    thread.start()
+    thread.join(config.start_timeout_s)
+    timed_out = thread.is_alive()
+    if timed_out or "error" in outcome:
+        names = [(CONTROLLER_NAME, CONTROLLER_NAMESPACE)]
+        names += [(STORAGE_UNIT_NAME.format(i), None) for i in range(config.num_storage_units)]
+        for name, namespace in names:
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace))
+            except ValueError:
+                pass
+        thread.join(10.0)
+        tq.close()
+        if not timed_out:
+            raise DataPlaneError(f"TransferQueue failed to start: {outcome['error']!r}") from outcome["error"]
+        raise DataPlaneError(
+            f"TransferQueue did not start within {config.start_timeout_s}s: waited for its controller "
+            f"and {config.num_storage_units} storage units (1 CPU each) to come up; Ray resources "
+            f"now: {ray.available_resources()}"
+        )

@@ -1,0 +1,413 @@
+"""Run a plan: start Ray and the data plane, start the workers, loop over steps.
+
+One step (docs/runtime.md):
+
+1. create the step's partition; the source actor writes the padded batch's first columns and
+   returns row metadata (group ids, padding tags);
+2. the dispatcher hands each op's ready chunks (`StepBook`) to idle ranks of its group; a
+   barrier chunk goes to all ranks at once, split into contiguous shards; workers read and
+   write columns themselves, the driver sees row ids and small results;
+3. state columns (weights) produced in one group and read in another are synced through Ray;
+4. metrics, trace and timeline are written, the partition is cleared; checkpoints and
+   validation run every k steps.
+
+Every wait has a timeout naming what it waited for. An op that raises fails the step with the
+op, rank, step and sample ids; the run then shuts down what it started.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlgraph.errors import RLGraphError
+from rlgraph.graph.plan import Plan
+from rlgraph.runtime.book import Chunk, StepBook
+from rlgraph.runtime.checkpoint import latest_checkpoint, load_state, save_state
+from rlgraph.runtime.cluster import RayHandle, check_cluster, start_ray
+from rlgraph.runtime.invoke import OpError
+from rlgraph.runtime.metrics import MetricsWriter, step_metrics
+from rlgraph.runtime.progress import Reporter
+from rlgraph.runtime.trace import Span, write_chrome_trace, write_timeline_svg
+
+__all__ = ["RunOptions", "Runner", "StepTimeout", "run_plan"]
+
+
+class StepTimeout(RLGraphError):
+    """A wait inside a step exceeded its limit; the message says what was pending."""
+
+
+@dataclass
+class RunOptions:
+    """How to run a plan (the CLI's flags)."""
+
+    out_dir: Path = Path("runs/latest")
+    steps: int | None = None  # default: the plan's trainer.steps
+    schedule: str | None = None  # default: the plan's trainer.schedule
+    address: str | None = None
+    resume: bool = False
+    timeout_s: float = 600.0  # longest wait for any single result
+    dataplane: str | None = None  # default: the plan's dataplane.backend
+    reporter: Any = None  # a rlgraph.runtime.progress.Reporter; default: none
+
+
+@dataclass
+class _Inflight:
+    chunk: Chunk
+    group: str
+    rank: int
+    part: tuple[int, ...]
+
+
+@dataclass
+class _StepState:
+    spans: list[Span] = field(default_factory=list)
+    summaries: dict[str, list[float]] = field(default_factory=dict)
+    op_metrics: dict[str, list[Any]] = field(default_factory=dict)
+    batch_values: dict[str, Any] = field(default_factory=dict)
+    result_bytes: int = 0
+
+
+class Runner:
+    """Owns everything a run starts; use as a context manager (or call `close`)."""
+
+    def __init__(self, plan: Plan, options: RunOptions, plane: Any = None) -> None:
+        """`plane`: an already started data plane to use (and leave running), e.g. a test session's."""
+        self.plan = plan
+        self._own_plane = plane is None
+        self.opts = options
+        trainer = plan.config.get("trainer", {})
+        self.steps = int(options.steps if options.steps is not None else trainer.get("steps", 1))
+        self.schedule = options.schedule or trainer.get("schedule", "stream")
+        self.seed = int(trainer.get("seed", 0))
+        self.val_every = int(trainer.get("val_every", 0))
+        self.save_every = int(trainer.get("save_every", 0))
+        self.ray: RayHandle | None = None
+        self.plane: Any = plane
+        self.workers: dict[str, list[Any]] = {}
+        self.source: Any = None
+        self.pgs: list[Any] = []
+        self.all_spans: list[Span] = []
+        self._plan_json = plan.model_dump_json()
+        self.reporter: Reporter = options.reporter or Reporter()
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Runner:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlgraph.runtime.source import SourceWorker
+        from rlgraph.runtime.worker import GroupWorker
+
+        self.ray = start_ray(self.plan, self.opts.address)
+        check_cluster(self.plan)  # before any actor: fail with a list, never hang
+        if self.plane is None:
+            self.plane = self._start_dataplane()
+        handle = self.plane.handle()
+        group_of_pool: dict[str, list[str]] = {}
+        for g in self.plan.groups:
+            group_of_pool.setdefault(g.pool, []).append(g.name)
+        timeout = self.opts.timeout_s
+        pg_of_pool = {}
+        for pool in self.plan.pools:
+            bundles = [{"CPU": max(b.num_cpus, 0.01), **({"GPU": b.num_gpus} if b.num_gpus else {})}
+                       for b in pool.bundles]
+            pg = placement_group(bundles, strategy="PACK", name=f"rlgraph-{pool.name}")
+            self.pgs.append(pg)
+            pg_of_pool[pool.name] = pg
+        for pool, pg in pg_of_pool.items():
+            try:
+                ray.get(pg.ready(), timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise StepTimeout(f"placement group for pool {pool!r} was not ready after {timeout:g}s; "
+                                  f"`ray status` shows what is pending") from None
+        worker_cls = ray.remote(GroupWorker)
+        for g in self.plan.groups:
+            share = len(group_of_pool[g.pool])  # colocated groups time-share the pool's bundles
+            bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
+            self.workers[g.name] = [
+                worker_cls.options(
+                    name=None,
+                    num_cpus=max(bundle[r].num_cpus, 0.01) / share,
+                    num_gpus=bundle[r].num_gpus / share,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg_of_pool[g.pool], placement_group_bundle_index=r),
+                    max_restarts=0,
+                ).remote(self._plan_json, g.name, r, g.dp, handle)
+                for r in range(g.dp)
+            ]
+        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
+        pings = [w.ping.remote() for ws in self.workers.values() for w in ws] + [self.source.state_dict.remote()]
+        self._get(pings, "worker start-up (model loading, op imports)")
+
+    def _start_dataplane(self) -> Any:
+        from rlgraph.runtime.dataplane import (RayObjectStoreDataPlane, TransferQueueConfig,
+                                               TransferQueueDataPlane)
+
+        backend = self.opts.dataplane or self.plan.config.get("dataplane", {}).get("backend", "transferqueue")
+        if backend == "ray":
+            return RayObjectStoreDataPlane.start(op_timeout_s=self.opts.timeout_s)
+        units = int(self.plan.config.get("dataplane", {}).get("storage_units", 1))
+        return TransferQueueDataPlane.start(TransferQueueConfig(num_storage_units=units,
+                                                                op_timeout_s=self.opts.timeout_s))
+
+    def close(self) -> None:
+        """Stop what this run started: actors, placement groups, the data plane, Ray (if ours)."""
+        try:
+            import ray
+        except ImportError:  # pragma: no cover
+            return
+        if ray.is_initialized():
+            for ws in self.workers.values():
+                for w in ws:
+                    ray.kill(w, no_restart=True)
+            if self.source is not None:
+                ray.kill(self.source, no_restart=True)
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self.pgs:
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # already gone with a dead cluster
+                    pass
+        self.workers, self.source, self.pgs = {}, None, []
+        if self.plane is not None and self._own_plane:
+            self.plane.close()
+        self.plane = None
+        if self.ray is not None:
+            self.ray.shutdown()
+            self.ray = None
+
+    # ------------------------------------------------------------------ waits
+    def _get(self, refs: list[Any], what: str) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.opts.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise StepTimeout(f"timed out after {self.opts.timeout_s:g}s waiting for {what}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), RLGraphError) else None
+            if cause is not None:
+                raise cause from None
+            raise
+
+    # ------------------------------------------------------------------ steps
+    def run(self) -> list[dict[str, Any]]:
+        out = Path(self.opts.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        start_step = 0
+        if self.opts.resume:
+            ckpt = latest_checkpoint(out)
+            if ckpt is not None:
+                start_step = self._restore(ckpt) + 1
+        writer = MetricsWriter(out / "metrics.jsonl", resume_after=start_step - 1 if self.opts.resume else None)
+        records = []
+        self.reporter.start(self.steps, start_step)
+        try:
+            for step in range(start_step, self.steps):
+                record = self.step(step)
+                if self.val_every and (step + 1) % self.val_every == 0:
+                    record.update(self.validate(step))
+                writer.write(record)
+                records.append(record)
+                self.reporter.step_done(record)
+                if self.save_every and (step + 1) % self.save_every == 0:
+                    self._checkpoint(out, step)
+        finally:
+            self.reporter.close()
+            if self.all_spans:
+                write_chrome_trace(self.all_spans, out / "trace.json")
+                write_timeline_svg(self.all_spans, out / "timeline.svg",
+                                   title=f"{self.plan.pipeline}: {self.schedule} schedule")
+        return records
+
+    def _padded_rows(self, step: int) -> int:
+        b = self.plan.batch
+        return b.padded_batch_warmup if step < b.critic_warmup else b.padded_batch
+
+    def step(self, step: int, partition: str | None = None, ops: set[str] | None = None) -> dict[str, Any]:
+        """Run one step (all ops, or only `ops`) on its own partition; returns its metrics."""
+        from rlgraph.runtime.dataplane import payload_bytes_in_this_process
+
+        partition = partition or f"train_{step}"
+        rows = self._padded_rows(step)
+        t0 = time.time()
+        bytes0 = payload_bytes_in_this_process()
+        self.plane.create_partition(partition, rows)
+        try:
+            uids, is_padding = self._get([self.source.produce.remote(partition, rows, step * rows,
+                                                                     partition.startswith("val"))],
+                                         f"the data source to write step {step}")[0]
+            book = StepBook(self.plan, uids, step, self.schedule)
+            if ops is not None:
+                for name, st in book.ops.items():
+                    st.skipped = st.skipped or name not in ops
+            self.reporter.step_started(step, {n: len(s.chunks) for n, s in book.ops.items() if not s.skipped})
+            state = self._dispatch(book, step, partition, uids, is_padding)
+            if ops is None:
+                self._sync_state(book)
+        finally:
+            self.plane.clear(partition)
+        self.all_spans += state.spans
+        real = sum(1 for p in is_padding if not p)
+        return step_metrics(step, summaries=state.summaries, op_metrics=state.op_metrics, spans=state.spans,
+                            wall_s=time.time() - t0, real_rows=real, pad_rows=len(is_padding) - real,
+                            driver_payload_bytes=payload_bytes_in_this_process() - bytes0,
+                            driver_result_bytes=state.result_bytes, schedule=self.schedule)
+
+    def _dispatch(self, book: StepBook, step: int, partition: str, uids: list[int],
+                  is_padding: list[bool]) -> _StepState:
+        import ray
+
+        st = _StepState()
+        idle = {g.name: set(range(g.dp)) for g in self.plan.groups}
+        inflight: dict[Any, _Inflight] = {}
+        parts_left: dict[tuple[str, int], int] = {}
+        while not book.finished:
+            for chunk in book.all_runnable():
+                op = self.plan.op(chunk.op)
+                free = idle[op.group]
+                dp = len(self.workers[op.group])
+                if op.mode == "barrier":
+                    if len(free) < dp:
+                        continue
+                    shards = [chunk.rows[r * len(chunk.rows) // dp:(r + 1) * len(chunk.rows) // dp]
+                              for r in range(dp)]
+                    targets = list(zip(range(dp), shards))
+                elif free:
+                    targets = [(min(free), chunk.rows)]
+                else:
+                    continue
+                book.start(chunk)
+                parts_left[(chunk.op, chunk.index)] = len(targets)
+                batch_inputs = {c: st.batch_values[c] for c in op.inputs if c in st.batch_values}
+                for rank, part in targets:
+                    free.discard(rank)
+                    ref = self.workers[op.group][rank].run_chunk.remote(
+                        op.name, step, partition, chunk.index, list(part), [uids[i] for i in part],
+                        [is_padding[i] for i in part], batch_inputs)
+                    inflight[ref] = _Inflight(chunk, op.group, rank, part)
+            if book.finished:
+                break
+            if not inflight:
+                raise StepTimeout(f"step {step} cannot make progress: nothing is running and nothing is ready; "
+                                  f"pending: {book.unfinished()}")
+            done, _ = ray.wait(list(inflight), num_returns=1, timeout=self.opts.timeout_s)
+            if not done:
+                running = sorted({f'{f.chunk.op}[{f.chunk.index}] on {f.group}[{f.rank}]' for f in inflight.values()})
+                raise StepTimeout(f"step {step}: no op call finished within {self.opts.timeout_s:g}s; running: "
+                                  f"{running}; pending: {book.unfinished()}")
+            for ref in done:
+                info = inflight.pop(ref)
+                result = self._get([ref], f"{info.chunk.op} on {info.group}[{info.rank}]")[0]
+                st.result_bytes += len(pickle.dumps(result))
+                idle[info.group].add(info.rank)
+                st.spans.append(result.span)
+                for col, vals in result.summaries.items():
+                    st.summaries.setdefault(col, []).extend(vals)
+                if result.metrics:
+                    st.op_metrics.setdefault(info.chunk.op, []).append(result.metrics)
+                st.batch_values.update(result.batch_values)
+                key = (info.chunk.op, info.chunk.index)
+                parts_left[key] -= 1
+                if parts_left[key] == 0:
+                    book.complete(info.chunk)
+                    self.reporter.chunk_done(step, info.chunk.op)
+        return st
+
+    def _sync_state(self, book: StepBook) -> None:
+        """Move state columns from their producer's group to consumer groups elsewhere."""
+        calls = []
+        for name, col in self.plan.columns.items():
+            if col.kind != "state" or col.producer not in book.ops or book.ops[col.producer].skipped:
+                continue
+            src_group = self.plan.op(col.producer).group
+            ref = self.workers[src_group][0].export_state.remote(name)  # a reference: no bytes via the driver
+            for g in sorted({self.plan.op(c).group for c in col.consumers} - {src_group}):
+                calls += [w.import_state.remote(name, ref) for w in self.workers[g]]
+            calls += [w.import_state.remote(name, ref) for w in self.workers[src_group][1:]]
+        if calls:
+            self._get(calls, "the weight sync (state columns to their consumers)")
+
+    def validate(self, step: int) -> dict[str, Any]:
+        """Run the ops that produce the scores on the validation split; returns ``val/...`` metrics."""
+        targets = {"token_level_scores"} & set(self.plan.columns)
+        if not targets:
+            return {}
+        needed = self._ancestors(targets)
+        m = self.step(step, partition=f"val_{step}", ops=needed)
+        return {f"val/{k}": v for k, v in m.items() if k.split("/")[0] in ("score", "reward", "response_length")}
+
+    def _ancestors(self, columns: set[str]) -> set[str]:
+        ops: set[str] = set()
+        todo = list(columns)
+        while todo:
+            col = self.plan.columns.get(todo.pop())
+            if col is None or col.producer in ops or col.producer == self.plan.source:
+                continue
+            ops.add(col.producer)
+            todo += self.plan.op(col.producer).inputs
+        return ops
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, out: Path, step: int) -> Path:
+        import json
+
+        d = out / "checkpoints" / f"step_{step}"
+        tmp = d.with_name(d.name + ".tmp")
+        for g, ws in self.workers.items():
+            for r, w in enumerate(ws):
+                cols, inst = self._get([w.state_columns.remote(), w.instance_states.remote()],
+                                       f"checkpoint state of {g}[{r}]")
+                save_state({"columns": cols, "instances": inst}, tmp, f"{g}_{r}")
+        src = self._get([self.source.state_dict.remote()], "the data source's position")[0]
+        save_state(src, tmp, "source")
+        (tmp / "meta.json").write_text(json.dumps({"format": "rlgraph.checkpoint.v1", "step": step,
+                                                   "pipeline": self.plan.pipeline}))
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        tmp.rename(d)
+        return d
+
+    def _restore(self, ckpt: Path) -> int:
+        import json
+
+        meta = json.loads((ckpt / "meta.json").read_text())
+        calls = []
+        for g, ws in self.workers.items():
+            for r, w in enumerate(ws):
+                state = load_state(ckpt, f"{g}_{r}")
+                calls += [w.load_state_columns.remote(state["columns"]),
+                          w.load_instance_states.remote(state["instances"])]
+        calls.append(self.source.load_state_dict.remote(load_state(ckpt, "source")))
+        self._get(calls, f"restoring checkpoint {ckpt}")
+        return int(meta["step"])
+
+
+def run_plan(plan: Plan, options: RunOptions, plane: Any = None) -> list[dict[str, Any]]:
+    """Start everything, run the steps, stop everything. Returns the per-step metrics."""
+    with Runner(plan, options, plane) as runner:
+        try:
+            return runner.run()
+        except OpError:
+            raise
+        except KeyboardInterrupt:
+            raise RLGraphError("interrupted; Ray and the data plane were shut down") from None

@@ -1,0 +1,141 @@
+"""Data sources at run time: read a batch of prompts, repeat each n times, pad to the multiple.
+
+A data source body is a class referenced by ``DataSource(impl="module:Class")``:
+
+    class MySource:
+        def __init__(self, config: dict, seed: int): ...        # config: the data.* params
+        def next_batch(self, batch_size: int) -> dict[str, list]: ...   # one entry per prompt
+        def state_dict(self) -> dict: ...                       # JSON-able position, for resume
+        def load_state_dict(self, state: dict) -> None: ...
+
+Padding rows (BRIEF section 2) are minimal: every ragged column one zero element (one prompt
+token), fixed-shape columns zeros, strings empty, JSON empty; each row gets a fresh group id of
+its own and ``is_padding = True``. Real samples are never copied as padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from rlgraph.errors import RLGraphError
+from rlgraph.graph.plan import ColumnPlan, Plan
+
+__all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad", "source_columns"]
+
+_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
+          "bool": torch.bool}
+
+
+class SourceError(RLGraphError):
+    """The data source returned a batch that does not match its declared columns."""
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The step's table as the source lays it out: column values per row, plus metadata."""
+
+    columns: dict[str, list[Any]]
+    uids: list[int]
+    is_padding: list[bool]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.uids)
+
+
+def source_columns(plan: Plan) -> dict[str, ColumnPlan]:
+    """The columns the data source produces (system columns included)."""
+    ops = {o.name for o in plan.ops}
+    return {name: c for name, c in plan.columns.items() if c.producer not in ops}
+
+
+def padding_value(col: ColumnPlan) -> Any:
+    """The minimal value of `col` for a padding row."""
+    if col.dtype == "str":
+        return ""
+    if col.dtype in ("json", "opaque"):
+        return {}
+    shape = [1 if isinstance(d, str) else d for d in col.shape]
+    return torch.zeros(shape, dtype=_TORCH[col.dtype])
+
+
+def expand_and_pad(batch: Mapping[str, list[Any]], columns: Mapping[str, ColumnPlan], n: int,
+                   padded_rows: int, uid_start: int) -> StepRows:
+    """Repeat each prompt's row `n` times (contiguously) and append padding rows up to `padded_rows`."""
+    declared = [c for c in columns if c not in ("uid", "is_padding")]
+    missing = [c for c in declared if c not in batch]
+    if missing:
+        raise SourceError(f"the data source's batch lacks declared columns {missing}; it returned {sorted(batch)}")
+    sizes = {c: len(batch[c]) for c in declared}
+    if len(set(sizes.values())) > 1:
+        raise SourceError(f"the data source returned columns of different lengths: {sizes}")
+    prompts = next(iter(sizes.values()), 0)
+    real = prompts * n
+    if real > padded_rows:
+        raise SourceError(f"{prompts} prompts x n={n} = {real} samples exceed the padded batch of {padded_rows}")
+    out: dict[str, list[Any]] = {}
+    for c in declared:
+        rows = [v for v in batch[c] for _ in range(n)]
+        pad = padding_value(columns[c])
+        rows += [pad.clone() if isinstance(pad, torch.Tensor) else type(pad)() for _ in range(padded_rows - real)]
+        out[c] = rows
+    uids = [uid_start + p for p in range(prompts) for _ in range(n)]
+    uids += [uid_start + prompts + i for i in range(padded_rows - real)]
+    is_padding = [False] * real + [True] * (padded_rows - real)
+    out["uid"] = [torch.tensor(u, dtype=torch.int64) for u in uids]
+    out["is_padding"] = [torch.tensor(p) for p in is_padding]
+    return StepRows(out, uids, is_padding)
+
+
+class SourceWorker:
+    """Body of the data-source actor: reads prompts, pads, writes the step's first columns.
+
+    It runs next to the data plane, not in the driver, so prompt payload never passes through
+    the driver; `produce` returns only the row metadata (group ids and padding tags).
+    """
+
+    def __init__(self, plan_json: str, handle: Any) -> None:
+        from rlgraph.runtime.invoke import resolve_impl
+
+        self.plan = Plan.model_validate_json(plan_json)
+        if not self.plan.source_impl:
+            raise SourceError(f"the plan's data source {self.plan.source!r} has no implementation (impl); give "
+                              f"DataSource(impl='module:Class')")
+        cls, _ = resolve_impl(self.plan.source_impl, self.plan.source_impl_file)
+        config = dict(self.plan.config.get(self.plan.source, {}))
+        seed = int(self.plan.config.get("trainer", {}).get("seed", 0))
+        self.source = cls(config, seed)
+        self.columns = source_columns(self.plan)
+        self.client = handle.connect()
+
+    def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False
+                ) -> tuple[list[int], list[bool]]:
+        size = int(self.plan.batch.batch_size)
+        if validation:
+            fn = getattr(self.source, "next_val_batch", None)
+            if fn is None:
+                raise SourceError(f"data source {self.plan.source_impl!r} has no next_val_batch(); validation "
+                                  f"needs one (or set trainer.val_every=0)")
+            batch = fn(size)
+        else:
+            batch = self.source.next_batch(size)
+        rows = expand_and_pad(batch, self.columns, self.plan.batch.n, padded_rows, uid_start)
+        stored = {c: v for c, v in rows.columns.items() if self.plan.columns[c].stored}
+        self.client.put(partition, list(range(rows.num_rows)), stored)
+        return rows.uids, rows.is_padding
+
+    def state_dict(self) -> dict:
+        fn = getattr(self.source, "state_dict", None)
+        return fn() if callable(fn) else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        fn = getattr(self.source, "load_state_dict", None)
+        if callable(fn):
+            fn(state)
+
+    def close(self) -> None:
+        self.client.close()

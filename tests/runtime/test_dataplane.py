@@ -1,0 +1,322 @@
+"""The data plane: both backends, same semantics, same data.
+
+Ray and TransferQueue start once per session (tests/runtime/conftest.py); every test uses its
+own partition name and clears it, so tests do not see each other's rows.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import ray
+import torch
+
+from rlgraph.errors import RLGraphError
+from rlgraph.runtime.dataplane import (
+    DataPlaneError,
+    RowBatch,
+    TransferQueueDataPlane,
+    assemble_rows,
+    check_tq_resources,
+    pad_ragged,
+    payload_bytes_in_this_process,
+    tq_resource_problems,
+)
+
+# the actor classes below live in a test module workers cannot import: ship them by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _part() -> str:
+    return f"step_{uuid.uuid4().hex[:8]}"
+
+
+def _same(a, b) -> bool:
+    """Equal values of the same representation (dense tensor vs list of tensors matters)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+RAGGED = [torch.arange(k, dtype=torch.int64) for k in (3, 1, 4, 2)]
+
+
+# --------------------------------------------------------------------------- no Ray needed
+def test_pad_ragged_pads_right_and_reports_lengths():
+    padded, lengths = pad_ragged([torch.tensor([1, 2, 3]), torch.tensor([4])], pad_value=-1)
+    assert padded.tolist() == [[1, 2, 3], [4, -1, -1]]
+    assert lengths.tolist() == [3, 1]
+    dense = torch.ones(2, 5)
+    same, lengths = pad_ragged(dense)  # what get() returns when all rows agree
+    assert same is dense and lengths.tolist() == [5, 5]
+    with pytest.raises(DataPlaneError, match="at least one dimension"):
+        pad_ragged([torch.tensor(1.0)])
+
+
+def test_assemble_rows_is_dense_only_when_rows_agree():
+    assert _same(assemble_rows([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    ragged = assemble_rows([torch.ones(2), torch.zeros(3)])
+    assert isinstance(ragged, list) and [len(r) for r in ragged] == [2, 3]
+    assert assemble_rows(["a", "b"]) == ["a", "b"]
+
+
+def test_row_batch_is_small_picklable_and_falsy_when_empty():
+    batch = RowBatch("step_0", tuple(range(256)), tuple(range(1000, 1256)), ("input_ids",))
+    assert pickle.loads(pickle.dumps(batch)) == batch
+    assert len(pickle.dumps(batch)) < 4096
+    assert not RowBatch("step_0", ())
+    with pytest.raises(DataPlaneError, match="3 rows but 1 keys"):
+        RowBatch("step_0", (0, 1, 2), (7,))
+
+
+def test_data_plane_error_is_an_rlgraph_error():
+    assert issubclass(DataPlaneError, RLGraphError)
+
+
+def test_tq_resource_problems_names_what_is_missing():
+    assert tq_resource_problems(2, available_cpus=8, node_cpus={"a" * 20: 8}) == []
+    (problem,) = tq_resource_problems(3, available_cpus=2, node_cpus={"n" * 20: 8})  # 6 CPUs held by others
+    assert "needs 4 free CPUs" in problem and "missing 2 CPU" in problem and "num_storage_units" in problem
+    # a 2-CPU single node: short overall, and too small for its 3 pinned storage units
+    assert len(tq_resource_problems(3, available_cpus=2, node_cpus={"n" * 20: 2})) == 2
+    # two nodes: units 0 and 2 go to the first (sorted) node, which has 1 CPU
+    problems = tq_resource_problems(3, available_cpus=8, node_cpus={"node_a": 1, "node_b": 7})
+    assert len(problems) == 1 and "node_a" in problems[0] and "gets 2" in problems[0]
+
+
+# --------------------------------------------------------------------------- both backends
+@pytest.mark.ray
+def test_put_get_dense_ragged_strings(plane):
+    p = _part()
+    plane.create_partition(p, 4)
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    plane.put(p, [0, 1, 2, 3], {"x": x, "ragged": RAGGED, "text": ["a", "bb", "", "dd"],
+                                "score": torch.tensor([0.5, 1.5, 2.5, 3.5])})
+    out = plane.get(RowBatch(p, (0, 1, 2, 3)), ["x", "ragged", "text", "score"])
+    assert _same(out["x"], x)
+    assert _same(out["ragged"], RAGGED)  # ragged comes back as a list of per-row tensors
+    assert out["text"] == ["a", "bb", "", "dd"]
+    assert _same(out["score"], torch.tensor([0.5, 1.5, 2.5, 3.5]))
+    # a subset in any order; ragged rows that happen to agree come back dense
+    sub = plane.get(RowBatch(p, (3, 0)), ["x", "ragged"])
+    assert _same(sub["x"], x[[3, 0]])
+    assert _same(sub["ragged"], [RAGGED[3], RAGGED[0]])
+    one = plane.get(RowBatch(p, (1,)), ["ragged", "text"])
+    assert _same(one["ragged"], RAGGED[1].unsqueeze(0)) and one["text"] == ["bb"]
+    plane.clear(p)
+
+
+@pytest.mark.ray
+def test_ready_returns_only_rows_with_every_column(plane):
+    p = _part()
+    plane.create_partition(p, 6)
+    plane.put(p, [0, 1, 2, 3], {"a": torch.zeros(4, 2)})
+    plane.put(p, [5, 3, 2], {"b": ["x", "y", "z"]})
+    batch = plane.ready(p, ["a", "b"], "op", max_rows=10)
+    assert batch.rows == (2, 3) and batch.columns == ("a", "b")
+    assert _same(plane.get(batch), {"a": torch.zeros(2, 2), "b": ["z", "y"]})
+    assert not plane.ready(p, ["a", "b"], "op", max_rows=10)
+    assert not plane.ready(p, ["a", "never_written"], "other", max_rows=10)
+    plane.clear(p)
+
+
+@pytest.mark.ray
+def test_each_task_sees_every_row_once(plane):
+    p = _part()
+    n = 10
+    plane.create_partition(p, n)
+    seen = {"reward": [], "ref": []}
+    for start in range(0, n, 4):  # rows arrive in three puts while both tasks poll
+        rows = list(range(start, min(start + 4, n)))
+        plane.put(p, rows, {"responses": torch.tensor(rows)})
+        for task in seen:
+            while batch := plane.ready(p, ["responses"], task, max_rows=3):
+                assert len(batch) <= 3
+                seen[task] += batch.rows
+    assert seen["reward"] == list(range(n)) and seen["ref"] == list(range(n))
+    plane.clear(p)
+
+
+@pytest.mark.ray
+def test_ready_polls_and_returns_empty_at_once(plane):
+    p = _part()
+    plane.create_partition(p, 4)
+    t0 = time.perf_counter()
+    empty = plane.ready(p, ["x"], "op", max_rows=4)
+    unknown = plane.ready("no_such_partition", ["x"], "op", max_rows=4)
+    assert not empty and not unknown and empty.partition == p
+    assert time.perf_counter() - t0 < 1.0
+    plane.clear(p)
+
+
+@pytest.mark.ray
+def test_clear_drops_rows_data_and_consumption(plane):
+    p = _part()
+    plane.create_partition(p, 3)
+    plane.put(p, [0, 1, 2], {"x": torch.ones(3)})
+    assert plane.ready(p, ["x"], "op", 10).rows == (0, 1, 2)
+    plane.clear(p)
+    assert not plane.ready(p, ["x"], "op2", 10)
+    with pytest.raises(DataPlaneError, match=repr(p)):
+        plane.get(RowBatch(p, (0,)), ["x"])
+    plane.create_partition(p, 2)  # the name is free again; consumption starts afresh
+    plane.put(p, [0, 1], {"x": torch.tensor([7.0, 8.0])})
+    again = plane.ready(p, ["x"], "op", 10)
+    assert again.rows == (0, 1) and _same(plane.get(again)["x"], torch.tensor([7.0, 8.0]))
+    plane.clear(p)
+    plane.clear("never_created")  # no-op
+
+
+@pytest.mark.ray
+def test_misuse_raises_typed_errors(plane):
+    p = _part()
+    plane.create_partition(p, 3)
+    with pytest.raises(DataPlaneError, match="already exists"):
+        plane.create_partition(p, 3)
+    with pytest.raises(DataPlaneError, match=r"rows \[5"):
+        plane.put(p, [5], {"x": torch.ones(1)})
+    with pytest.raises(DataPlaneError, match="column 'x': put for 2 rows got 3 rows"):
+        plane.put(p, [0, 1], {"x": torch.ones(3)})
+    with pytest.raises(DataPlaneError, match="column 'x': unsupported type dict"):
+        plane.put(p, [0], {"x": {"a": 1}})
+    with pytest.raises(DataPlaneError, match="duplicates"):
+        plane.put(p, [0, 0], {"x": torch.ones(2)})
+    plane.put(p, [0], {"x": torch.ones(1)})
+    with pytest.raises(DataPlaneError, match="never written"):
+        plane.get(RowBatch(p, (0, 1)), ["x"])
+    with pytest.raises(DataPlaneError, match="max_rows must be >= 1"):
+        plane.ready(p, ["x"], "op", 0)
+    plane.clear(p)
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    """A stand-in for a worker-group actor: connects with the handle, puts or gets."""
+
+    def put(self, handle, partition, rows, columns):
+        client = handle.connect()
+        try:
+            client.put(partition, rows, columns)
+        finally:
+            client.close()
+        return payload_bytes_in_this_process()
+
+    def get(self, handle, batch, columns=None):
+        client = handle.connect()
+        try:
+            return client.get(batch, columns)
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="session")
+def workers(ray_cluster):
+    pair = [_Worker.remote(), _Worker.remote()]
+    yield pair
+    for w in pair:
+        ray.kill(w)
+
+
+@pytest.mark.ray
+def test_put_in_one_actor_get_in_another_without_the_driver(plane, workers):
+    producer, consumer = workers
+    p = _part()
+    plane.create_partition(p, 5)
+    before = plane.payload_bytes_in_this_process()
+    x = torch.randn(5, 16)
+    ragged = RAGGED + [torch.ones(2, dtype=torch.int64)]
+    put_bytes = ray.get(producer.put.remote(plane.handle(), p, list(range(5)),
+                                            {"x": x, "text": list("abcde"), "ragged": ragged}))
+    assert put_bytes >= x.numel() * 4  # counted in the producer's process
+    batch = plane.ready(p, ["x", "text", "ragged"], "learner", max_rows=5)  # driver: row ids only
+    assert batch.rows == (0, 1, 2, 3, 4)
+    out = ray.get(consumer.get.remote(plane.handle(), batch))
+    assert _same(out["x"], x) and out["text"] == list("abcde")
+    assert _same(out["ragged"], ragged)
+    assert plane.payload_bytes_in_this_process() == before  # no payload went through the driver
+    plane.clear(p)
+
+
+def _scenario(plane, p):
+    """Puts in several shapes and orders, then ready/get; returns everything observed."""
+    plane.create_partition(p, 8)
+    seen = []
+    plane.put(p, [4, 5, 6, 7], {"ids": torch.arange(8).reshape(4, 2), "text": ["e", "f", "g", "h"]})
+    plane.put(p, [3, 1], {"ids": torch.tensor([[30, 31], [10, 11]]), "text": ["d", "b"]})
+    plane.put(p, [0, 1, 2, 3, 4, 5, 6, 7], {"resp": [torch.arange(k % 3 + 1) for k in range(8)],
+                                            "mask": torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.bool),
+                                            "logp": torch.linspace(-1, 0, 8, dtype=torch.float64)})
+    for task, cols, k in [("a", ["ids", "resp"], 3), ("a", ["ids", "resp"], 10), ("b", ["text"], 2),
+                          ("b", ["text", "mask"], 10), ("a", ["ids", "resp"], 1)]:
+        batch = plane.ready(p, cols, task, k)
+        seen.append((task, batch.rows))
+        if batch:
+            seen.append(plane.get(batch))
+            seen.append(plane.get(batch, ["resp", "mask", "logp"]))
+    plane.put(p, [0, 2], {"ids": torch.tensor([[0, 1], [2, 3]]), "text": ["a", "c"]})
+    seen.append(plane.get(RowBatch(p, tuple(range(8))), ["ids", "text", "resp", "logp"]))
+    plane.clear(p)
+    return seen
+
+
+@pytest.mark.ray
+def test_backends_return_identical_results(tq_plane, ray_plane):
+    from_tq = _scenario(tq_plane, _part())
+    from_ray = _scenario(ray_plane, _part())
+    assert [s for s in from_tq if isinstance(s, tuple)] == [
+        ("a", (1, 3, 4)), ("a", (5, 6, 7)), ("b", (1, 3)), ("b", (4, 5, 6, 7)), ("a", ())]
+    assert len(from_tq) == len(from_ray)
+    for a, b in zip(from_tq, from_ray):
+        assert _same(a, b), (a, b)
+
+
+# --------------------------------------------------------------------------- TransferQueue only
+@pytest.mark.ray
+def test_tq_listens_on_loopback_only(tq_plane):
+    info = ray.get(tq_plane.handle().controller.get_zmq_server_info.remote())
+    assert info.ip == "127.0.0.1"
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+
+
+@pytest.mark.ray
+def test_tq_missing_resources_raise_instead_of_hanging(tq_plane):
+    t0 = time.perf_counter()
+    with pytest.raises(DataPlaneError, match=r"needs 51 free CPUs .* missing"):
+        check_tq_resources(num_storage_units=50)
+    assert time.perf_counter() - t0 < 5
+    with pytest.raises(DataPlaneError, match="already runs in this Ray cluster"):
+        TransferQueueDataPlane.start()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_tq_start_times_out_with_a_message(tmp_path):
+    """Bypass the resource check in a fresh Ray (2 CPUs) and ask for 3 storage units: tq.init
+    would wait forever; start's watchdog must stop it and say what it waited for."""
+    script = textwrap.dedent("""
+        import os, ray
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        from rlgraph.runtime.dataplane import DataPlaneError, TransferQueueConfig
+        from rlgraph.runtime.dataplane.tq import _run_tq_init
+        try:
+            _run_tq_init(TransferQueueConfig(num_storage_units=3, start_timeout_s=2))
+        except DataPlaneError as e:
+            print("ERROR:", e)
+        ray.shutdown()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, env=env)
+    assert "ERROR: TransferQueue did not start within 2s" in res.stdout, res.stdout + res.stderr[-2000:]

@@ -1,0 +1,140 @@
+"""The runner on real Ray and TransferQueue, with plans whose ops are plain tensor functions.
+
+Ray and the TransferQueue plane start once per session (conftest); each test starts its own
+worker actors, which is what a run does.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlgraph import compile
+from rlgraph.graph.loader import load_pipeline
+from rlgraph.runtime.cluster import ClusterError, missing_resources
+from rlgraph.runtime.invoke import OpError
+from rlgraph.runtime.runner import Runner, RunOptions, run_plan
+
+pytestmark = pytest.mark.ray
+
+PIPELINE = str(Path(__file__).parents[1] / "resources" / "tensor_pipeline.py")
+# 5 prompts x n=3 = 15 samples; actor dp=2 -> multiple lcm(2, 1, 1, 1) = 2 -> 16 rows, 1 padding row
+PADDED = ["gen.n=3", "groups.actor.dp=2"]
+VOLATILE = ("timing/", "throughput/", "driver/result_bytes", "schedule")
+
+
+def _plan(*overrides):
+    pipeline, ref = load_pipeline(PIPELINE)
+    return compile(pipeline, list(overrides), pipeline_ref=ref)
+
+
+def _stable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _run(plan, out, plane, **kw):
+    return run_plan(plan, RunOptions(out_dir=out, timeout_s=60, **kw), plane=plane)
+
+
+def test_stream_and_sync_give_identical_results(tq_plane, tmp_path):
+    plan = _plan(*PADDED)
+    assert plan.batch.padded_batch == 16 and plan.batch.pad_rows == 1
+    stream = _run(plan, tmp_path / "stream", tq_plane, steps=3, schedule="stream")
+    sync = _run(plan, tmp_path / "sync", tq_plane, steps=3, schedule="sync")
+    assert [r["schedule"] for r in stream] == ["stream"] * 3 and sync[0]["schedule"] == "sync"
+    assert _stable(stream) == _stable(sync)
+    # the update's state moved between steps: w grows every step, identically
+    ws = [r["update/update_metrics/w"] for r in stream]
+    assert ws == sorted(ws) and len(set(ws)) == 3
+
+
+def test_both_data_planes_give_identical_results(tq_plane, ray_plane, tmp_path):
+    plan = _plan(*PADDED)
+    a = _run(plan, tmp_path / "tq", tq_plane, steps=2)
+    b = _run(plan, tmp_path / "ray", ray_plane, steps=2)
+    assert _stable(a) == _stable(b)
+
+
+def test_padding_rows_never_reach_accuracy_metrics(tq_plane, tmp_path):
+    plan = _plan(*PADDED)
+    (rec,) = _run(plan, tmp_path, tq_plane, steps=1)
+    # the padding row scores 1000 (see tensor_pipeline.score); real rows score below 1
+    assert rec["samples/padding"] == 1 and rec["samples/real"] == 15
+    assert rec["score/max"] < 1.0
+    # throughput counts every row, padding included
+    assert rec["throughput/samples_per_s"] == pytest.approx(16 / rec["timing/step_s"])
+
+
+def test_driver_moves_metadata_only(tq_plane, tmp_path):
+    plan = _plan(*PADDED, "data.batch_size=40")
+    recs = _run(plan, tmp_path, tq_plane, steps=2)
+    for r in recs:
+        assert r["driver/payload_bytes"] == 0  # no column payload through the driver process
+        # the small results the driver does receive: spans, metrics, per-row floats
+        assert r["driver/result_bytes"] < 40_000
+
+
+def test_outputs_trace_and_timeline(tq_plane, tmp_path):
+    plan = _plan(*PADDED)
+    _run(plan, tmp_path, tq_plane, steps=2)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [0, 1]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    calls = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in calls} == {"gen", "score", "values", "adv", "update"}
+    # actor dp=2: generation chunks ran on both ranks of the actor group
+    actor_pid = next(e["pid"] for e in trace["traceEvents"] if e.get("args", {}).get("name") == "group actor")
+    assert {e["tid"] for e in calls if e["pid"] == actor_pid and e["name"] == "gen"} == {0, 1}
+    svg = (tmp_path / "timeline.svg").read_text()
+    assert svg.startswith("<svg") and "actor[1]" in svg and "gen" in svg
+
+
+def test_raising_op_fails_the_step_with_op_rank_step_and_samples(tq_plane, tmp_path):
+    plan = _plan(*PADDED, "gen.fail_step=1")
+    with pytest.raises(OpError, match=r"op 'gen' failed on worker actor\[\d\] at step 1 \(chunk \d+, "
+                                      r"\d+ rows, sample uids \[.*\]\): ValueError: gen was told to fail"):
+        _run(plan, tmp_path, tq_plane, steps=3)
+    # step 0 was recorded before the failure; the run shut its actors down and the plane is usable
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    assert _run(_plan(*PADDED), tmp_path / "after", tq_plane, steps=1)
+
+
+def test_missing_resources_fail_before_any_actor_starts(tq_plane, tmp_path):
+    plan = _plan("cluster.gpus_per_node=2", "groups.critic.num_gpus=1")
+    runner = Runner(plan, RunOptions(out_dir=tmp_path, timeout_s=30), plane=tq_plane)
+    with pytest.raises(ClusterError, match=r"1 GPUs needed, the cluster has 0") as e:
+        runner.start()
+    assert "nothing was started" in str(e.value)
+    assert runner.workers == {} and runner.source is None
+    runner.close()
+
+
+def test_missing_resources_lists_per_node_fit():
+    plan = _plan("cluster.num_nodes=2", "cluster.cpus_per_node=4", "groups.actor.num_cpus=1.5", "groups.actor.dp=2")
+    # needs 2 (data plane) + 2 x 1.5 (actor) + 0.5 + 0.5 + 0.25 = 6.25 CPUs
+    assert missing_resources(plan, [{"CPU": 4.0}, {"CPU": 4.0}]) == []
+    assert "6.25 CPUs needed" in missing_resources(plan, [{"CPU": 3.0}, {"CPU": 3.0}])[0]
+    # 6.3 CPUs in all, but the data plane leaves 0.2 on node 0; node 1 (4.1) takes the actor's
+    # 1.5 + 1.5, critic 0.5 and reward 0.5, leaving 0.1: the 0.25 CPU 'adv' slot fits nowhere
+    problems = missing_resources(plan, [{"CPU": 2.2}, {"CPU": 4.1}])
+    assert problems == ["pool 'adv' slot 0 needs 0.25 CPU and 0 GPU on one node; no node has that left"]
+
+
+def test_resume_continues_exactly(tq_plane, tmp_path):
+    plan = _plan(*PADDED, "trainer.save_every=1")
+    full = _run(plan, tmp_path / "full", tq_plane, steps=4)
+    _run(plan, tmp_path / "cut", tq_plane, steps=2)
+    assert (tmp_path / "cut" / "checkpoints" / "step_1" / "meta.json").is_file()
+    resumed = _run(plan, tmp_path / "cut", tq_plane, steps=4, resume=True)
+    assert [r["step"] for r in resumed] == [2, 3]
+    assert _stable(resumed) == _stable(full[2:])
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [0, 1, 2, 3]
+
+
+def test_validation_runs_on_its_own_partition(tq_plane, tmp_path):
+    plan = _plan(*PADDED, "trainer.val_every=2")
+    recs = _run(plan, tmp_path, tq_plane, steps=2)
+    assert "val/score/mean" not in recs[0] and "val/score/mean" in recs[1]
+    # validation prompts are ones of length 3 (tensor_pipeline.CountSource.next_val_batch)
+    assert recs[1]["val/score/mean"] > 0
