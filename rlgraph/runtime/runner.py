@@ -28,7 +28,6 @@ from rlgraph.graph.plan import Plan
 from rlgraph.runtime.book import Chunk, StepBook
 from rlgraph.runtime.checkpoint import latest_checkpoint, load_state, save_state
 from rlgraph.runtime.cluster import RayHandle, check_cluster, start_ray
-from rlgraph.runtime.invoke import OpError
 from rlgraph.runtime.metrics import MetricsWriter, step_metrics
 from rlgraph.runtime.progress import Reporter
 from rlgraph.runtime.trace import Span, write_chrome_trace, write_timeline_svg
@@ -404,10 +403,5 @@ class Runner:
 
 def run_plan(plan: Plan, options: RunOptions, plane: Any = None) -> list[dict[str, Any]]:
     """Start everything, run the steps, stop everything. Returns the per-step metrics."""
-    with Runner(plan, options, plane) as runner:
-        try:
-            return runner.run()
-        except OpError:
-            raise
-        except KeyboardInterrupt:
-            raise RLGraphError("interrupted; Ray and the data plane were shut down") from None
+    with Runner(plan, options, plane) as runner:  # stops everything it started, also on Ctrl-C
+        return runner.run()

@@ -1,0 +1,59 @@
+"""`rlgraph run` as a user runs it: its own local Ray and TransferQueue, in a subprocess."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PIPELINE = str(Path(__file__).parents[1] / "resources" / "tensor_pipeline.py")
+RLGRAPH = str(Path(sys.executable).with_name("rlgraph"))
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # never join the test session's Ray
+    return env
+
+
+def test_run_then_ctrl_c_stops_everything_it_started(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([RLGRAPH, "run", PIPELINE, "-o", str(out), "--steps", "500"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        assert metrics.exists(), "no step finished within 180 s"
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert started, "the run started no processes"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, f"left running: {[p.info if hasattr(p, 'info') else p.pid for p in alive]}"
+    first = json.loads(metrics.read_text().splitlines()[0])
+    assert first["step"] == 0 and first["driver/payload_bytes"] == 0
+    assert (out / "plan.json").is_file() and (out / "pipeline.svg").is_file()
+    assert (out / "trace.json").is_file() and (out / "timeline.svg").is_file()
+
+
+def test_run_reports_a_failing_op_and_exits_1(tmp_path):
+    res = subprocess.run([RLGRAPH, "run", PIPELINE, "-o", str(tmp_path), "--steps", "2", "gen.fail_step=0",
+                          "--dataplane", "ray"], env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "op 'gen' failed on worker actor[0] at step 0" in res.stderr
+    assert "Traceback (most recent call last)" not in res.stderr.split("Error:")[0]
