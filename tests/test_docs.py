@@ -1,0 +1,313 @@
+"""The user docs run, so they cannot drift from the code.
+
+Conventions in docs/quickstart.md, docs/dsl.md and docs/cli.md:
+
+- a ```` ```python runnable ```` block is a complete example: it runs in a fresh namespace (from
+  a scratch directory, with the repository root importable so ``examples.ppo`` works), must
+  compile a pipeline and must assert something. Other ```` ```python ```` blocks are fragments
+  and are only checked to parse.
+- in a ```` ```bash ```` block of quickstart.md and cli.md, every line starting with ``rlgraph``
+  or ``.venv/bin/rlgraph`` is run with the console script next to ``sys.executable``, in a
+  scratch directory holding a copy of ``examples/``, as if one after another in document order
+  (a ``compile -o build/ppo`` early in a file leaves ``build/ppo/plan.json`` for later lines;
+  commands that touch no common path run in parallel). It must exit 0, or N when the line ends
+  with ``# exits N``. Other lines (``bash scripts/setup.sh``) are shown, not run.
+- a ```` ```text output ```` block is (an excerpt of) what the preceding bash block's commands
+  print (stdout then stderr), or what the runnable python block right before it prints: its
+  lines must appear in that output in the same order (trailing blanks ignored; a line ``...``
+  marks lines left out).
+
+Besides, every check code the compiler can report is listed in dsl.md, every option of the
+front-half commands appears in cli.md, and dsl.md's table of built-in stages matches
+`rlgraph.ops.stages`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PYTHON_DOCS = ("quickstart.md", "dsl.md", "cli.md")
+SHELL_DOCS = ("quickstart.md", "cli.md")
+FRONT_COMMANDS = ("compile", "validate", "viz", "describe")  # `rlgraph run` is in docs/runtime.md
+
+_FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\s*$")
+_EXITS = re.compile(r"#\s*exits\s+(\d+)\s*$")
+_SHELL_META = set("|<>;&$`")
+_KNOWN_INFO = {"python": {"", "runnable"}, "text": {"", "output"}, "bash": {""}, "": {""}}
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str
+    line: int  # line of the first code line (1-based)
+    lang: str
+    info: str
+    text: str
+
+
+def blocks(doc: str) -> list[Block]:
+    """Every top-level fenced block of `doc`, in order."""
+    out: list[Block] = []
+    lines = (DOCS / doc).read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start = i + 1
+        j = start
+        while j < len(lines) and lines[j].rstrip() != "```":
+            j += 1
+        assert j < len(lines), f"{doc}:{i + 1}: code block is never closed"
+        out.append(Block(doc, start + 1, m.group(1), m.group(2), "\n".join(lines[start:j])))
+        i = j + 1
+    return out
+
+
+def _where(b: Block) -> str:
+    return f"docs/{b.doc}:{b.line}"
+
+
+# Python blocks -----------------------------------------------------------------------------------
+
+def _python_blocks(runnable: bool) -> list[Block]:
+    return [b for doc in PYTHON_DOCS for b in blocks(doc)
+            if b.lang == "python" and (b.info == "runnable") == runnable]
+
+
+def test_block_markers_are_known():
+    """A typo such as ```python runable would silently skip a block."""
+    for doc in PYTHON_DOCS:
+        for b in blocks(doc):
+            allowed = _KNOWN_INFO.get(b.lang)
+            assert allowed is not None and b.info in allowed, (
+                f"{_where(b)}: unknown code block marker ```{b.lang} {b.info}; use one of "
+                f"{sorted(f'{k} {v}'.strip() for k, vs in _KNOWN_INFO.items() for v in vs)}")
+
+
+def test_enough_runnable_examples():
+    assert len([b for b in _python_blocks(True) if b.doc == "dsl.md"]) >= 8
+
+
+def _shown_output(block: Block) -> Block | None:
+    """The ```text output block right after `block`, if there is one."""
+    later = [b for b in blocks(block.doc) if b.line > block.line]
+    return later[0] if later and later[0].lang == "text" and later[0].info == "output" else None
+
+
+@pytest.mark.parametrize("block", _python_blocks(True), ids=_where)
+def test_runnable_python_block(block: Block, tmp_path, monkeypatch, capsys):
+    assert "compile(" in block.text and "assert " in block.text, (
+        f"{_where(block)}: a runnable example must compile a pipeline and assert something about it")
+    monkeypatch.chdir(tmp_path)  # anything a block writes lands here
+    monkeypatch.syspath_prepend(str(ROOT))  # `from examples.ppo import pipeline`
+    # pad so that tracebacks give the line in the Markdown file
+    code = compile("\n" * (block.line - 1) + block.text, str(DOCS / block.doc), "exec")
+    exec(code, {"__name__": f"docs_{Path(block.doc).stem}_{block.line}"})
+    shown = _shown_output(block)
+    if shown is not None:
+        printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+        missing = _follows(shown.text, printed)
+        assert missing is None, f"{_where(shown)}: line {missing!r} is not in what the example printed:\n" + \
+            "\n".join(printed)
+
+
+@pytest.mark.parametrize("block", _python_blocks(False), ids=_where)
+def test_python_fragment_parses(block: Block):
+    compile("\n" * (block.line - 1) + block.text, str(DOCS / block.doc), "exec")
+
+
+# Shell blocks ------------------------------------------------------------------------------------
+
+def _rlgraph() -> str:
+    script = Path(sys.executable).with_name("rlgraph")
+    assert script.exists(), f"no console script at {script}; run `bash scripts/setup.sh`"
+    return str(script)
+
+
+@dataclass
+class _Command:
+    where: str
+    text: str
+    argv: list[str]
+    expected: int  # exit status
+    writes: str | None  # the -o/--output argument
+    status: int | None = None
+    output: tuple[str, ...] = ()
+
+
+def _command(where: str, line: str) -> _Command | None:
+    """The documented command on `line`, or None if it is not an rlgraph command."""
+    text = line.strip()
+    if not (text.startswith("rlgraph ") or text.startswith(".venv/bin/rlgraph ")):
+        return None
+    argv = shlex.split(text, comments=True)
+    meta = [a for a in argv if _SHELL_META & set(a)]
+    assert not meta, f"{where}: shell syntax {meta} is not supported in a documented command"
+    m = _EXITS.search(text)
+    writes = next((b for a, b in zip(argv, argv[1:]) if a in ("-o", "--output")), None)
+    return _Command(where, text, [_rlgraph(), *argv[1:]], int(m.group(1)) if m else 0, writes)
+
+
+def _conflict(c: _Command, wave: list[_Command]) -> bool:
+    """Whether `c` reads or writes a path that a command of `wave` writes, or the reverse."""
+    def under(path: str, written: str | None) -> bool:
+        return written is not None and (path == written or path.startswith(written.rstrip("/") + "/"))
+
+    return any(under(a, d.writes) for d in wave for a in c.argv[1:]) or \
+        any(under(a, c.writes) for d in wave for a in d.argv[1:])
+
+
+def _run_all(commands: list[_Command], cwd: Path) -> None:
+    """Run `commands` as if one after another, but in parallel where no path conflicts: a
+    `describe build/ppo/plan.json` waits for the `compile ... -o build/ppo` before it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    waves: list[list[_Command]] = [[]]
+    for c in commands:
+        if _conflict(c, waves[-1]):
+            waves.append([])
+        waves[-1].append(c)
+    for wave in waves:
+        procs = [subprocess.Popen(c.argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for c in wave]
+        for c, p in zip(wave, procs):
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                err += "\n(killed after 60 s)"
+            c.status = p.returncode
+            c.output = tuple(x.rstrip() for x in (out + err).splitlines())
+
+
+def _follows(expected: str, output: list[str]) -> str | None:
+    """None if the lines of `expected` occur in `output` in order, else the first one missing."""
+    pos = 0
+    for want in (w.rstrip() for w in expected.splitlines()):
+        if not want.strip() or want.strip() == "...":
+            continue
+        while pos < len(output) and output[pos] != want:
+            pos += 1
+        if pos == len(output):
+            return want
+        pos += 1
+    return None
+
+
+@pytest.mark.parametrize("doc", SHELL_DOCS)
+def test_shell_commands(doc: str, tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    # each bash block's commands, and the output block after it (if any)
+    steps: list[tuple[list[_Command], Block | None]] = []
+    previous: Block | None = None
+    for b in blocks(doc):
+        if b.lang == "bash":
+            cmds = [_command(f"docs/{doc}:{b.line + k}", line) for k, line in enumerate(b.text.splitlines())]
+            steps.append(([c for c in cmds if c is not None], None))
+        elif b.lang == "text" and b.info == "output" and not (previous and previous.lang == "python"):
+            assert previous is not None and previous.lang == "bash", (
+                f"{_where(b)}: an output block must follow a bash block or a runnable python block")
+            steps[-1] = (steps[-1][0], b)
+        previous = b
+    commands = [c for cmds, _ in steps for c in cmds]
+    assert commands, f"docs/{doc} runs no rlgraph command"
+    _run_all(commands, tmp_path)
+
+    failures: list[str] = []
+    for cmds, shown in steps:
+        for c in cmds:
+            if c.status != c.expected:
+                failures.append(f"{c.where}: `{c.text}` exited {c.status}, the doc says {c.expected}\n"
+                                + "\n".join(c.output))
+            if any("Traceback" in line for line in c.output):
+                failures.append(f"{c.where}: `{c.text}` printed a traceback\n" + "\n".join(c.output))
+        if shown is not None:
+            output = [line for c in cmds for line in c.output]
+            missing = _follows(shown.text, output)
+            if missing is not None:
+                failures.append(f"{_where(shown)}: line {missing!r} is not in the output (in this order):\n"
+                                + "\n".join(output))
+    assert not failures, "\n\n".join(failures)
+
+
+# Tables that must list everything ----------------------------------------------------------------
+
+def test_every_check_code_is_documented():
+    codes: set[str] = set()
+    for pkg in ("graph", "ops"):
+        for path in (ROOT / "rlgraph" / pkg).glob("*.py"):
+            codes |= set(re.findall(r'Problem\(\s*"([a-z][a-z-]*)"', path.read_text()))
+    checks = (DOCS / "dsl.md").read_text().partition("\n## Checks\n")[2]
+    documented = set(re.findall(r"^\| `([a-z][a-z-]*)` \|", checks, re.M))
+    assert codes, "found no Problem codes in rlgraph/graph and rlgraph/ops"
+    assert documented == codes, (f"undocumented in dsl.md: {sorted(codes - documented)}; "
+                                 f"documented but never raised: {sorted(documented - codes)}")
+
+
+def test_every_cli_option_is_documented():
+    from rlgraph.cli import cli
+
+    text = (DOCS / "cli.md").read_text()
+    for name in FRONT_COMMANDS:
+        assert f"## `rlgraph {name}`" in text, f"docs/cli.md has no section for rlgraph {name}"
+        for param in cli.commands[name].params:
+            for opt in [*param.opts, *param.secondary_opts]:
+                if opt.startswith("-"):
+                    assert f"`{opt}" in text, f"docs/cli.md does not mention `rlgraph {name} {opt}`"
+
+
+def test_stage_table_matches_the_code():
+    """Rows of dsl.md's table of built-in stages: | `name()` | granularity | group | inputs |
+    outputs | namespace |; column names in backticks."""
+    from rlgraph.ops import stages
+
+    rows = re.findall(r"^\| `(\w+)\(\)` \|(.*)$", (DOCS / "dsl.md").read_text(), re.M)
+    documented = {name for name, _ in rows}
+    expected = {n for n in stages.__all__ if n not in ("COLUMNS", "ESTIMATORS", "prompt_source")}
+    assert documented == expected, f"stage table rows {sorted(documented)} vs rlgraph.ops.stages {sorted(expected)}"
+    for name, rest in rows:
+        cells = [c.strip() for c in rest.strip().strip("|").split("|")]
+        granularity, group, inputs, outputs, namespace = cells[:5]
+        spec = getattr(stages, name)()
+        names = lambda cell: set(re.findall(r"`(\w+)`", cell))  # noqa: E731
+        assert granularity.split()[0] == spec.granularity, (name, granularity, spec.granularity)
+        assert group.strip("`") == spec.group, (name, group, spec.group)
+        assert names(inputs) == set(spec.inputs), (name, sorted(names(inputs) ^ set(spec.inputs)))
+        assert names(outputs) == set(spec.outputs), (name, sorted(names(outputs) ^ set(spec.outputs)))
+        assert namespace.strip("`") == spec.namespace, (name, namespace, spec.namespace)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_docs_resolve():
+    """Relative links of the user docs point at files that exist, and at headings that exist.
+    (docs/runtime.md is written alongside the runtime; a link to it is checked once it exists.)"""
+    for doc in PYTHON_DOCS:
+        text = (DOCS / doc).read_text()
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (DOCS / target).resolve() if target else DOCS / doc
+            if target == "runtime.md" and not path.exists():
+                continue
+            assert path.exists(), f"docs/{doc} links to {target!r}, which does not exist"
+            if anchor and path.suffix == ".md":
+                prose = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+                headings = re.findall(r"^#+ (.+)$", prose, re.M)
+                assert anchor in {_anchor(h) for h in headings}, f"docs/{doc} links to {target}#{anchor}: no such heading"
