@@ -1,5 +1,8 @@
 """PPO with GAE and a critic: the classic actor-critic pipeline of verl's PPO trainer.
 
+The reward is penalised by KL(policy || reference) per token (``algorithm.use_kl_in_reward``),
+as in classic RLHF PPO; the reference model is needed for that alone.
+
 Worker groups: the actor group holds generation, the old-logprob and reference forward passes
 and the actor update on the same workers (colocation); the critic has its own group; rewards
 and the advantage math run on small CPU groups.
@@ -35,6 +38,7 @@ pipeline = Pipeline(
         "data": {"batch_size": 8},
         "rollout": {"n": 4, "max_new_tokens": 16},
         "actor": {"lr": 1e-4, "mini_batch_size": 4},
+        "algorithm": {"use_kl_in_reward": True, "kl_coef": 0.01},
         "critic": {"lr": 1e-4, "mini_batch_size": 4},
         "trainer": {"steps": 20},
     },

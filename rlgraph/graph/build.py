@@ -32,6 +32,7 @@ class BuiltGraph:
     schema: Mapping[str, Param]
     dag: nx.MultiDiGraph  # nodes: source name and op names; edges keyed by column
     producers: Mapping[str, tuple[str, ...]]  # column -> every node that outputs it
+    unused_inputs: Mapping[str, frozenset[str]]  # op -> optional inputs its config does not use
     column_types: Mapping[str, ColumnType]  # column -> type declared by its (first) producer
     problems: tuple[Problem, ...] = field(default=())  # found while resolving config
 
@@ -44,6 +45,10 @@ class BuiltGraph:
 
     def param(self, spec: OpSpec, key: str) -> Any:
         return self.config[f"{spec.namespace}.{key}"]
+
+    def connected(self, spec: OpSpec) -> list[str]:
+        """The op's inputs that are edges of the graph: produced, and used under its config."""
+        return [c for c in spec.inputs if c in self.producers and c not in self.unused_inputs.get(spec.name, ())]
 
 
 def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:
@@ -85,6 +90,8 @@ def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:
 
 def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ()) -> BuiltGraph:
     """Resolve config (defaults < pipeline.config < overrides) and build the column graph."""
+    if isinstance(overrides, str):  # one "key=value", not a sequence of characters
+        overrides = [overrides]
     raw = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
     schema, problems = config_schema(pipeline)
     config, cfg_problems = resolve_config(schema, flatten(pipeline.config), raw)
@@ -108,8 +115,16 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
             producers.setdefault(col, []).append(spec.name)
             types.setdefault(col, ctype)
 
+    unused: dict[str, frozenset[str]] = {}
+    for spec in pipeline.ops:
+        unused[spec.name] = frozenset()
+        if spec.uses is not None:
+            params = {k: config.get(f"{spec.namespace}.{k}", p.default) for k, p in spec.params.items()}
+            unused[spec.name] = spec.optional_inputs - set(spec.uses(params))
     for spec in pipeline.ops:
         for col in spec.inputs:
+            if col in unused[spec.name]:
+                continue
             for prod in dict.fromkeys(producers.get(col, ())):
                 kind = "state" if types[col].kind == "state" else "data"
                 dag.add_edge(prod, spec.name, key=col, column=col, kind=kind)
@@ -120,6 +135,7 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
         schema=schema,
         dag=dag,
         producers={k: tuple(v) for k, v in producers.items()},
+        unused_inputs=unused,
         column_types=types,
         problems=tuple(problems),
     )

@@ -18,6 +18,7 @@ column-missing              an input column that no op and not the data source p
 column-duplicate-producer   a column produced by two ops (or an op and the data source)
 column-type-mismatch        producer and consumer disagree on dtype, shape or kind
 output-missing              a declared pipeline output that nothing produces
+op-unused                   an op none of whose outputs is read, kept or a metric
 cycle                       a dependency cycle through data columns
 granularity                 a per-sample or per-group op reads a column that exists only
                             for the whole batch
@@ -89,12 +90,14 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
     # Columns ---------------------------------------------------------------------------------
     op_names = [o.name for o in p.ops]
     produced = list(g.producers)
+    missing: list[str] = []
     for o in p.ops:
         for col, want in o.inputs.items():
             prods = g.producers.get(col, ())
             if not prods:
                 if col in o.optional_inputs or want.kind == "state":
                     continue
+                missing.append(col)
                 add(Problem("column-missing",
                             f"op {o.name!r} reads column {col!r}, which no op and not the data source produces"
                             + _close(col, produced),
@@ -122,8 +125,21 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                         f"rename one of the outputs (each column has exactly one producer)", column=col))
     for col in p.outputs:
         if col not in g.producers:
+            missing.append(col)
             add(Problem("output-missing", f"pipeline output {col!r} is produced by nothing" + _close(col, produced),
                         f"remove {col!r} from outputs= or add an op that produces it", column=col))
+
+    # Ops whose every output goes nowhere ----------------------------------------------------
+    consumed = {attrs["column"] for _, _, attrs in g.dag.edges(data=True)}
+    for o in p.ops:
+        typo = any(difflib.get_close_matches(c, missing, n=1, cutoff=0.6) for c in o.outputs)
+        if o.outputs and not typo and not any(c in consumed or c in p.outputs or o.outputs[c].kind == "metric"
+                                              for c in o.outputs):
+            add(Problem("op-unused",
+                        f"op {o.name!r} produces only columns nobody reads ({', '.join(repr(c) for c in o.outputs)})",
+                        f"remove op {o.name!r}, list a column in the pipeline's outputs=, or enable its consumer "
+                        f"(e.g. a config switch such as algorithm.use_kl_in_reward or actor.use_kl_loss)",
+                        op=o.name))
 
     # Cycles (data edges only: state edges cross steps) -----------------------------------------
     d = data_dag(g)
@@ -166,7 +182,7 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         if o.validate is None:
             continue
         params = {k: g.config.get(f"{o.namespace}.{k}") for k in o.params}
-        connected = frozenset(c for c in o.inputs if c in g.producers)
+        connected = frozenset(g.connected(o))
         for prob in o.validate(params, connected):
             add(prob if prob.op else Problem(prob.code, f"op {o.name!r}: {prob.message}", prob.fix, op=o.name,
                                              column=prob.column))

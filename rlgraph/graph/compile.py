@@ -8,6 +8,7 @@ order and assembles their results. Nothing here starts Ray or imports operator b
 
 from __future__ import annotations
 
+import json
 from typing import Iterable, Mapping
 
 from rlgraph.graph.batching import batch, gated, op_batching
@@ -52,7 +53,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
     ]
     ops = []
     for o in g.pipeline.ops:
-        connected = [c for c in o.inputs if c in g.producers]
+        connected = g.connected(o)
         ops.append(OpPlan(
             name=o.name,
             impl=o.impl,
@@ -80,7 +81,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
         source_impl=g.pipeline.source.impl,
         source_impl_file=g.pipeline.source.impl_file,
         config=nest(g.config),
-        overrides=dict(g.overrides),
+        overrides={k: v if isinstance(v, str) else json.dumps(v) for k, v in g.overrides.items()},
         columns=columns,
         ops=ops,
         edges=edges,

@@ -150,7 +150,7 @@ def _unknown_key(key: str, schema: Mapping[str, Param], origin: str) -> Problem:
 def resolve_config(
     schema: Mapping[str, Param],
     values: Mapping[str, Any],
-    overrides: Mapping[str, str],
+    overrides: Mapping[str, Any],
 ) -> tuple[dict[str, Any], list[Problem]]:
     """Defaults, then Python-given `values`, then string `overrides`; every problem collected.
 
@@ -177,7 +177,7 @@ def resolve_config(
             problems.append(_unknown_key(key, schema, f"override {key}={text}"))
             continue
         try:
-            value = param.parse(text)
+            value = param.parse(text) if isinstance(text, str) else text  # typed values from Python
         except ValueError as e:
             problems.append(
                 Problem("config-type", f"override {key}={text}: {e}",

@@ -58,7 +58,9 @@ def _row(t: Table, *cells: Any) -> None:
 def _batching(b: OpBatching, granularity: str = "sample") -> str:
     """How an op splits the padded batch: mini-batches, then each rank's share in micro-batches."""
     unit = " groups" if granularity == "group" else ""
-    micro = f" in {b.micro_batches} micro-batches of <={b.micro_batch_size}{unit}" if b.micro_batch_size else ""
+    plural = "" if b.micro_batches == 1 else "es"
+    micro = (f" in {b.micro_batches} micro-batch{plural} of <={b.micro_batch_size}{unit}"
+             if b.micro_batch_size else "")
     if b.mini_batch_samples is None:
         return f"per rank {b.samples_per_rank}{micro}"
     lo, hi = b.rank_mini_batch or [b.mini_batch_samples, b.mini_batch_samples]

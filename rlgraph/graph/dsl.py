@@ -106,6 +106,9 @@ class OpSpec:
     group_size_param: str | None = None  # the param holding n (samples per prompt)
     skip_before: str | None = None  # config key: the op runs only once step >= its value
     validate: Callable[[Mapping[str, Any], frozenset[str]], list[Problem]] | None = None
+    # which optional inputs the op reads under its params (default: every produced one); an
+    # optional input it does not use is not connected, so the op does not wait for it
+    uses: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
     cost: float = 1.0  # relative cost hint for the critical path
     doc: str = ""
 
@@ -205,7 +208,9 @@ def op(
     """Declare a function (or a worker-class method) as an operator.
 
     Positional parameters are input columns, typed by their annotations (or by ``inputs=``);
-    keyword-only parameters are config params (or give ``params=``). The function is returned
+    keyword-only parameters are config params (or give ``params=``). A per-sample or per-group
+    op with a ``micro_batch_size`` param is called on micro-batches of that size unless
+    ``batching=`` says otherwise. The function is returned
     unchanged with its `OpSpec` attached; get it back with `op_spec(fn)`.
 
         @op(outputs={"token_level_scores": T.float32("response_len")}, group="reward")
@@ -251,6 +256,9 @@ def op(
         if clash:
             raise DeclarationError(f"op {opname!r}: {sorted(clash)} are both input columns and params")
         impl, impl_file = _impl_ref(f)
+        micro = batching
+        if micro is None and "micro_batch_size" in prm and granularity != "batch":
+            micro = Batching(micro_batch="micro_batch_size")  # the conventional name means what it says
         spec = OpSpec(
             name=opname,
             inputs=ins,
@@ -262,7 +270,7 @@ def op(
             impl=impl,
             impl_file=impl_file,
             optional_inputs=frozenset(optional_inputs),
-            batching=batching,
+            batching=micro,
             group_size_param=group_size_param,
             skip_before=skip_before,
             cost=cost,

@@ -215,6 +215,13 @@ def _validate_advantage(granularity: str):
     return validate
 
 
+def _advantage_uses(params: Mapping[str, Any]) -> set[str]:
+    used = {"values"} if ESTIMATORS.get(params.get("estimator"), ("", False))[1] else set()
+    if params.get("use_kl_in_reward"):
+        used |= {"old_log_probs", "ref_log_prob"}
+    return used
+
+
 def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) -> OpSpec:
     """Advantages and returns: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline); KL in reward."""
     if estimator not in ESTIMATORS:
@@ -243,6 +250,7 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
         },
         impl="rlgraph.ops.advantage:compute_advantage",
         validate=_validate_advantage(granularity),
+        uses=_advantage_uses,
         cost=0.2,
         doc="Advantage estimation; a barrier for whitening estimators, per group for GRPO/RLOO.",
     ).with_(**changes)
@@ -312,5 +320,6 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         skip_before="trainer.critic_warmup",
         validate=_validate_actor,
+        uses=lambda params: {"ref_log_prob"} if params.get("use_kl_loss") else set(),
         cost=3.0,
     ).with_(**changes)

@@ -70,6 +70,10 @@ def resolve_impl(ref: str, impl_file: str | None = None) -> tuple[Any, str | Non
     if not sep:
         raise OpError(f"op body reference {ref!r} is not of the form module:qualname")
     try:
+        if module_name == "__main__" and impl_file:
+            # a script's ops: import the script as a module (its `if __name__ == "__main__":`
+            # block does not run), never the worker's own __main__
+            raise ImportError("defined in a script")
         module = importlib.import_module(module_name)
     except ImportError as e:
         if not impl_file:

@@ -92,6 +92,8 @@ CHECKED = [
             r"worker group 'workers' is declared 2 times", r"declare each worker group once"),
     Checked("unused_group", ("group-unused",), ("critic",),
             r"worker group 'critic' runs no op", r"remove worker group 'critic' or assign an op to it"),
+    Checked("op_unused", ("op-unused",), ("judge", "score"),
+            r"op 'judge' produces only columns nobody reads \('score'\)", r"remove op 'judge'"),
     Checked("output_missing", ("output-missing",), ("scores",),
             r"pipeline output 'scores' is produced by nothing \(did you mean 'score'\?\)",
             r"remove 'scores' from outputs="),

@@ -75,12 +75,13 @@ def test_sharing_a_pool_removes_overlap(ppo) -> None:
 def test_grpo_critical_path_runs_from_data_to_update_actor(grpo) -> None:
     sched = compile_pipeline(grpo).schedule
     path = sched.critical_path
-    # data -> generate 5 -> old_logprob or ref 1 -> advantage 0.2 -> update_actor 3 = 9.2
-    # (through reward instead: 5 + 0.5 + 0.2 + 3 = 8.7)
+    # GRPO's advantage reads only rewards (no KL in the reward), so the forward passes feed
+    # update_actor directly: data -> generate 5 -> old_logprob or ref 1 -> update_actor 3 = 9.0
+    # (through reward and advantage instead: 5 + 0.5 + 0.2 + 3 = 8.7)
     assert path[0] == "data" and path[-1] == "update_actor"
-    assert path[:2] == ["data", "generate"] and path[3:] == ["advantage", "update_actor"]
+    assert path[:2] == ["data", "generate"] and path[3:] == ["update_actor"]
     assert path[2] in ("old_logprob", "ref")
-    assert sched.critical_path_cost == pytest.approx(9.2)
+    assert sched.critical_path_cost == pytest.approx(9.0)
 
 
 def test_ppo_critical_path(ppo) -> None:

@@ -15,4 +15,4 @@ def judge_format(prompt: T.str()):
 
 
 pipeline = Pipeline("duplicate_producer", DataSource({"prompt": T.str()}), [judge_length, judge_format],
-                    [WorkerGroup("workers")])
+                    [WorkerGroup("workers")], outputs=["score"])

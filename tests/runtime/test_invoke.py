@@ -1,0 +1,141 @@
+"""The calling convention and padding rows, without Ray."""
+
+import textwrap
+
+import pytest
+import torch
+
+import rlgraph
+from rlgraph import DataSource, Pipeline, T, WorkerGroup, op
+from rlgraph.runtime.invoke import Invoker, OpError, resolve_impl, stable_seed
+from rlgraph.runtime.source import SourceError, expand_and_pad, source_columns
+
+R = "response_len"
+
+
+@op(outputs={"scaled": T.float32(R), "total": T.float32()}, group="w")
+def scale(tokens: T.float32(R), mask: T.int64(R), *, factor: float = 2.0, ctx=None):
+    # dense [rows, max_len] in, dense out: the runtime trims each row back to its length
+    return {"scaled": tokens * factor * mask, "total": (tokens * mask).sum(dim=1)}
+
+
+@op(outputs={"wrong": T.float32()}, group="w")
+def bad_rows(tokens: T.float32(R)):
+    return {"wrong": torch.zeros(len(tokens) + 1)}
+
+
+@op(outputs={"a": T.float32(), "b": T.float32()}, group="w")
+def missing_output(tokens: T.float32(R)):
+    return {"a": torch.zeros(len(tokens)), "c": 1}
+
+
+def _plan(*ops):
+    src = DataSource({"tokens": T.float32(R), "mask": T.int64(R)})
+    return rlgraph.compile(Pipeline("p", src, ops, [WorkerGroup("w")], outputs=[c for o in ops for c in
+                                                                                rlgraph.op_spec(o).outputs]))
+
+
+def test_ragged_inputs_are_right_padded_and_dense_outputs_trimmed():
+    plan = _plan(scale)
+    inv = Invoker(plan, "w", 0, 1)
+    rows = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])]
+    masks = [torch.ones(3, dtype=torch.int64), torch.ones(1, dtype=torch.int64)]
+    out = inv.call(plan.op("scale"), step=0, chunk=0, rows=[0, 1], is_padding=[False, False],
+                   inputs={"tokens": rows, "mask": masks})
+    # 1,2,3 x 2 and 4 x 2, trimmed per row to the lengths of the input with the same dim name
+    assert [t.tolist() for t in out["scaled"]] == [[2.0, 4.0, 6.0], [8.0]]
+    assert out["total"].tolist() == [6.0, 4.0]
+    assert out["scaled"][0].dtype == torch.float32
+
+
+def test_params_reach_the_body():
+    plan = rlgraph.compile(_pipeline_with(scale), ["scale.factor=10"])
+    out = Invoker(plan, "w", 0, 1).call(plan.op("scale"), 0, 0, [0], [False],
+                                        {"tokens": [torch.tensor([1.0])], "mask": [torch.tensor([1])]})
+    assert out["scaled"][0].tolist() == [10.0]
+
+
+def _pipeline_with(*ops):
+    src = DataSource({"tokens": T.float32(R), "mask": T.int64(R)})
+    return Pipeline("p", src, ops, [WorkerGroup("w")], outputs=[c for o in ops for c in rlgraph.op_spec(o).outputs])
+
+
+@pytest.mark.parametrize("fn, message", [
+    (bad_rows, r"op 'bad_rows': output 'wrong' has 3 rows for a call on 2 rows; return one entry per row"),
+    (missing_output, r"op 'missing_output' returned columns \['a', 'c'\], but declares \['a', 'b'\]; "
+                     r"missing \['b'\]; undeclared \['c'\]"),
+])
+def test_outputs_that_do_not_match_the_declaration_are_rejected(fn, message):
+    plan = _plan(fn)
+    inv = Invoker(plan, "w", 0, 1)
+    with pytest.raises(OpError, match=message):
+        inv.call(plan.op(fn.__name__), 0, 0, [0, 1], [False, False],
+                 {"tokens": [torch.ones(2), torch.ones(1)]})
+
+
+def test_seed_is_stable_across_processes():
+    # sha256-based, unlike hash(): the same in every worker and every run
+    assert stable_seed(0, 1, "gen", 2) == stable_seed(0, 1, "gen", 2)
+    assert stable_seed(0, 1, "gen", 2) != stable_seed(0, 1, "gen", 3)
+    assert 0 <= stable_seed("x") < 2**31
+
+
+def test_ops_of_a_script_run_as_main_are_imported_from_its_file(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        RAN_MAIN = False
+
+        def my_op(x):
+            return {"y": x}
+
+        if __name__ == "__main__":
+            RAN_MAIN = True
+    """))
+    fn, method = resolve_impl("__main__:my_op", str(script))
+    assert method is None and fn({"a": 1}) == {"y": {"a": 1}}
+    assert fn.__globals__["RAN_MAIN"] is False  # the script's main block did not run
+
+
+def test_unknown_body_names_the_reference():
+    with pytest.raises(OpError, match=r"op body 'rlgraph.errors:Nope': 'rlgraph.errors' has no attribute 'Nope'"):
+        resolve_impl("rlgraph.errors:Nope")
+
+
+def test_padding_rows_are_minimal_with_fresh_groups():
+    plan = _plan(scale)
+    cols = source_columns(plan)
+    batch = {"tokens": [torch.ones(4), torch.ones(2)], "mask": [torch.ones(4, dtype=torch.int64)] * 2}
+    rows = expand_and_pad(batch, cols, n=3, padded_rows=8, uid_start=100)
+    # 2 prompts x 3 = 6 real rows, contiguous per prompt; 2 padding rows, each its own group
+    assert rows.uids == [100, 100, 100, 101, 101, 101, 102, 103]
+    assert rows.is_padding == [False] * 6 + [True] * 2
+    assert [len(t) for t in rows.columns["tokens"]] == [4, 4, 4, 2, 2, 2, 1, 1]
+    assert rows.columns["tokens"][6].tolist() == [0.0] and rows.columns["mask"][7].tolist() == [0]
+
+
+def test_source_batches_that_do_not_match_are_rejected():
+    cols = source_columns(_plan(scale))
+    with pytest.raises(SourceError, match=r"lacks declared columns \['mask'\]"):
+        expand_and_pad({"tokens": [torch.ones(1)]}, cols, 1, 4, 0)
+    with pytest.raises(SourceError, match=r"5 prompts x n=2 = 10 samples exceed the padded batch of 8"):
+        expand_and_pad({"tokens": [torch.ones(1)] * 5, "mask": [torch.ones(1)] * 5}, cols, 2, 8, 0)
+
+
+def test_overrides_may_be_typed_values_or_one_string():
+    pipeline = _pipeline_with(scale)
+    assert rlgraph.compile(pipeline, {"scale.factor": 0.5}).op("scale").params["factor"] == 0.5
+    assert rlgraph.compile(pipeline, "scale.factor=3").op("scale").params["factor"] == 3.0
+    with pytest.raises(rlgraph.PipelineError, match=r"override scale.factor=big: expected a float, got 'big'"):
+        rlgraph.compile(pipeline, {"scale.factor": "big"})
+    with pytest.raises(rlgraph.PipelineError, match=r"override scale.factor=\[1\]: expected float, got list"):
+        rlgraph.compile(pipeline, {"scale.factor": [1]})
+
+
+@op(outputs={"o": T.float32()}, group="w")
+def micro(tokens: T.float32(R), *, micro_batch_size: int = 3):
+    return {"o": torch.zeros(len(tokens))}
+
+
+def test_micro_batch_size_param_implies_micro_batching():
+    assert rlgraph.op_spec(micro).batching.micro_batch == "micro_batch_size"
+    assert rlgraph.op_spec(scale).batching is None  # no such param: no micro-batching
