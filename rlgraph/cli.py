@@ -22,7 +22,7 @@ import click
 from rich.console import Console
 
 from rlgraph import __version__
-from rlgraph.errors import PipelineError, RLGraphError
+from rlgraph.errors import ConfigError, PipelineError, RLGraphError
 from rlgraph.graph import describe as show
 from rlgraph.graph.build import build
 from rlgraph.graph.compile import compile_pipeline
@@ -54,7 +54,10 @@ class _Cli(click.Group):
 
 def _compile(pipeline_ref: str, overrides: tuple[str, ...]) -> Plan:
 
-    parsed = parse_overrides(overrides)  # a malformed item fails before the pipeline is imported
+    try:  # a malformed item is bad usage (exit 2), found before the pipeline is imported
+        parsed = parse_overrides(overrides)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     pipeline, ref = load_pipeline(pipeline_ref)
     return compile_pipeline(pipeline, parsed, pipeline_ref=ref)
 
@@ -93,8 +96,10 @@ def _print(console: Console, *renderables) -> None:
 
 def _padding_line(plan: Plan) -> str:
     b = plan.batch
-    return (f"padded batch {b.padded_batch} samples: {b.batch_size} prompts x n={b.n} = {b.global_batch}, "
+    line = (f"padded batch {b.padded_batch} samples: {b.batch_size} prompts x n={b.n} = {b.global_batch}, "
             f"multiple {b.multiple}, {b.pad_rows} pad rows")
+    warning = show.padding_warning(plan)
+    return f"{line}\n{warning}" if warning else line
 
 
 def _draw(plan: Plan, path: Path) -> Path:

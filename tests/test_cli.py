@@ -212,8 +212,11 @@ def test_validate_reports_resource_problems():
     user_error(invoke("validate", PPO, "groups.actor.dp=100"), "[resources]", "groups.actor.dp")
 
 
-def test_malformed_override_is_a_user_error():
-    user_error(invoke("validate", PPO, "actor.lr"), "'actor.lr' is not of the form key=value")
+def test_malformed_override_is_bad_usage():
+    result = invoke("validate", PPO, "actor.lr")
+    assert result.exit_code == 2, result.output
+    assert "'actor.lr' is not of the form key=value" in result.output
+    assert "Traceback" not in result.output
 
 
 # describe on a plan file -------------------------------------------------------------------------
@@ -362,3 +365,14 @@ def test_console_script_smoke(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "did you mean 'actor.lr'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_heavy_padding_is_warned_about():
+    # lcm(2, 16*8, 15*8) = lcm(2, 128, 120) = 1920 > 360 samples: 1560 padding rows (433%)
+    result = invoke("validate", PPO, "data.batch_size=45", "rollout.n=8", "groups.actor.dp=2",
+                    "actor.mini_batch_size=16", "critic.mini_batch_size=15")
+    assert result.exit_code == 0, result.output
+    assert "warning: padding adds 1560 rows to 360 samples (433%)" in result.output
+    quiet = invoke("validate", PPO, "data.batch_size=45", "rollout.n=8", "actor.mini_batch_size=15",
+                   "critic.mini_batch_size=15")  # lcm(120, 120) = 120 divides 360: no padding
+    assert "warning" not in quiet.output

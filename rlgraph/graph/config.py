@@ -186,8 +186,9 @@ def resolve_config(
             continue
         err = param.check(value)
         if err:
-            problems.append(Problem("config-type", f"override {key}={text}: {err}",
-                                    f"write {key}=<{param.type_name}>"))
+            hint = (f"write {key}= one of {', '.join(str(c) for c in param.choices)}" if param.choices
+                    else f"write {key}=<{param.type_name}>")
+            problems.append(Problem("config-type", f"override {key}={text}: {err}", hint))
             continue
         resolved[key] = value
     return resolved, problems

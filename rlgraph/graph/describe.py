@@ -127,6 +127,22 @@ def _cluster_line(plan: Plan) -> Text:
     )
 
 
+PAD_WARN_FRACTION = 0.10
+
+
+def padding_warning(plan: Plan) -> str | None:
+    """A warning when padding adds 10% or more rows: they cost compute and, with mini-batches,
+    whole extra optimizer steps. Names the terms so the user can pick sizes that divide."""
+    b = plan.batch
+    if b.pad_rows < PAD_WARN_FRACTION * b.global_batch or b.pad_rows == 0:
+        return None
+    big = sorted({t.value for t in b.terms if t.value > 1}, reverse=True)
+    return (f"warning: padding adds {b.pad_rows} rows to {b.global_batch} samples "
+            f"({100 * b.pad_rows / b.global_batch:.0f}%): the multiple lcm({', '.join(map(str, big))}) = {b.multiple} "
+            f"does not divide the batch; choose mini-batch sizes and dp that divide "
+            f"{b.batch_size} prompts x n={b.n} (or a batch size that their lcm divides)")
+
+
 def padding_section(plan: Plan) -> RenderableType:
     """The padding rule applied: each term and its source, the multiple, the padded batch."""
     b = plan.batch
@@ -146,6 +162,9 @@ def padding_section(plan: Plan) -> RenderableType:
         _row(summary, "during warm-up",
              f"steps < {b.critic_warmup}: multiple {b.multiple_warmup}, padded batch "
              f"{b.padded_batch_warmup} samples ({b.pad_rows_warmup} pad rows)")
+    warning = padding_warning(plan)
+    if warning:
+        return Group(terms, summary, Text(warning, style="yellow"))
     return Group(terms, summary)
 
 

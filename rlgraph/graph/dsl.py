@@ -67,7 +67,7 @@ DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(
     {
         "backend": Param(str, "transferqueue", "where columns live between ops",
                          choices=("transferqueue", "ray")),
-        "storage_units": Param(int, 1, "TransferQueue storage units (each reserves num_cpus per unit)", minimum=1),
+        "storage_units": Param(int, 1, "TransferQueue storage units (each reserves dataplane.cpus_per_unit CPUs)", minimum=1),
         "cpus_per_unit": Param(float, 1.0, "logical CPUs reserved by the controller and by each storage unit",
                                minimum=0.0),
     }
@@ -432,6 +432,18 @@ class Pipeline:
             new[s.name] = s
         return Pipeline(self.name, self.source, new.values(), self.groups, self.cluster, self.config,
                         self.outputs, self.doc)
+
+    def with_groups(self, *groups: WorkerGroup, drop: Iterable[str] = ()) -> Pipeline:
+        """A new pipeline with worker groups added (or replacing ones of the same name) or dropped."""
+        new = {g.name: g for g in self.groups if g.name not in set(drop)}
+        new.update({g.name: g for g in groups})
+        return Pipeline(self.name, self.source, self.ops, new.values(), self.cluster, self.config,
+                        self.outputs, self.doc)
+
+    def with_outputs(self, *outputs: str, drop: Iterable[str] = ()) -> Pipeline:
+        """A new pipeline keeping other columns: `outputs` added, `drop` removed."""
+        keep = [c for c in self.outputs if c not in set(drop)] + [c for c in outputs if c not in self.outputs]
+        return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, self.config, keep, self.doc)
 
     def with_config(self, **namespaces: Mapping[str, Any]) -> Pipeline:
         """A new pipeline with config defaults merged in, e.g. ``with_config(actor={"lr": 1e-6})``."""
