@@ -14,8 +14,13 @@ fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip_install() {
+    # this machine's pip config names local indexes that may not exist: drop those warnings only
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    return "${PIPESTATUS[0]}"
+}
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    "${PIP[@]}" "torch==2.13.0"
+    pip_install "torch==2.13.0"
 fi
-"${PIP[@]}" -c scripts/constraints.txt -e ".[test]"
+pip_install -c scripts/constraints.txt -e ".[test]"

@@ -57,3 +57,16 @@ def test_run_reports_a_failing_op_and_exits_1(tmp_path):
     assert res.returncode == 1, res.stdout + res.stderr
     assert "op 'gen' failed on worker actor[0] at step 0" in res.stderr
     assert "Traceback (most recent call last)" not in res.stderr.split("Error:")[0]
+
+
+def test_run_joins_an_existing_cluster_with_address(ray_cluster, tmp_path):
+    # the test session's Ray stands in for a cluster; its TransferQueue (if a test started one)
+    # allows no second controller, so this run keeps its columns in Ray's object store
+    address = ray_cluster.get_runtime_context().gcs_address
+    res = subprocess.run([RLGRAPH, "run", PIPELINE, "-o", str(tmp_path), "--steps", "1", "--address", address,
+                          "dataplane.backend=ray"], env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["driver/payload_bytes"] == 0
+    # the run left the cluster it joined running, with none of its actors
+    assert ray_cluster.is_initialized()
