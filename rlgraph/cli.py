@@ -15,6 +15,7 @@ config. Exit status: 0 success; 1 a problem with the pipeline, its config or a p
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -190,6 +191,17 @@ def describe(target: str, overrides: tuple[str, ...], list_config: bool, width: 
     _print(console, *show.sections(_plan_or_compile(target, overrides)))
 
 
+def _interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM stop a run cleanly (KeyboardInterrupt unwinds and shuts everything down),
+    also when the process was started with SIGINT ignored, as background jobs and CI runners are."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 @cli.command(epilog=_OVERRIDES_HELP)
 @click.argument("target", metavar="PLAN|PIPELINE")
 @_overrides_argument
@@ -222,7 +234,9 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         plan.save(out / "plan.json")
         _draw(plan, out / "pipeline.svg")
     options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
-                         timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out))
+                         timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out),
+                         on_ray_started=_interrupt_on_signals)
+    _interrupt_on_signals()
     try:
         records = run_plan(plan, options)
     except KeyboardInterrupt:

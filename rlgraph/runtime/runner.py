@@ -51,6 +51,8 @@ class RunOptions:
     timeout_s: float = 600.0  # longest wait for any single result
     dataplane: str | None = None  # default: the plan's dataplane.backend
     reporter: Any = None  # a rlgraph.runtime.progress.Reporter; default: none
+    on_ray_started: Any = None  # called once Ray is up (the CLI re-installs its signal handlers:
+    #                             ray.init replaces the driver's SIGTERM handler with its own)
 
 
 @dataclass
@@ -114,6 +116,8 @@ class Runner:
         from rlgraph.runtime.worker import GroupWorker
 
         self.ray = start_ray(self.plan, self.opts.address)
+        if self.opts.on_ray_started:
+            self.opts.on_ray_started()
         check_cluster(self.plan)  # before any actor: fail with a list, never hang
         if self.plane is None:
             self.plane = self._start_dataplane()
