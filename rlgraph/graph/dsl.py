@@ -380,7 +380,9 @@ class Pipeline:
     Edges are not declared: an op's input column is connected to the op that outputs a column
     of that name. ``outputs`` lists columns to keep even though no op reads them; metric
     columns are always kept. ``config`` holds nested default values (``{"actor": {"lr": 1e-6}}``)
-    that command-line overrides replace.
+    that command-line overrides replace. ``prepare`` is a function ``prepare(config)`` that
+    `rlgraph run` calls (in the driver, before Ray starts) to create local assets the run needs,
+    such as an example's data set and tiny model; it must be idempotent. Compiling never calls it.
     """
 
     name: str
@@ -391,6 +393,8 @@ class Pipeline:
     config: Mapping[str, Any] = field(default_factory=dict)
     outputs: tuple[str, ...] = ()
     doc: str = ""
+    prepare: str | None = None  # "module:function" run by `rlgraph run` before anything starts
+    prepare_file: str | None = None
 
     def __init__(
         self,
@@ -402,6 +406,7 @@ class Pipeline:
         config: Mapping[str, Any] | None = None,
         outputs: Iterable[str] = (),
         doc: str = "",
+        prepare: Any = None,
     ) -> None:
         if not isinstance(source, DataSource):
             raise DeclarationError(f"pipeline {name!r}: source must be a DataSource, got {source!r}")
@@ -417,6 +422,13 @@ class Pipeline:
         object.__setattr__(self, "config", MappingProxyType(dict(config or {})))
         object.__setattr__(self, "outputs", tuple(outputs))
         object.__setattr__(self, "doc", doc)
+        prepare_file = None
+        if prepare is not None and not isinstance(prepare, str):
+            if not callable(prepare):
+                raise DeclarationError(f"pipeline {name!r}: prepare must be a function or 'module:function'")
+            prepare, prepare_file = _impl_ref(prepare)
+        object.__setattr__(self, "prepare", prepare)
+        object.__setattr__(self, "prepare_file", prepare_file)
 
     def op(self, name: str) -> OpSpec:
         for o in self.ops:
@@ -431,19 +443,20 @@ class Pipeline:
             s = op_spec(o)
             new[s.name] = s
         return Pipeline(self.name, self.source, new.values(), self.groups, self.cluster, self.config,
-                        self.outputs, self.doc)
+                        self.outputs, self.doc, self._prepare_ref())
 
     def with_groups(self, *groups: WorkerGroup, drop: Iterable[str] = ()) -> Pipeline:
         """A new pipeline with worker groups added (or replacing ones of the same name) or dropped."""
         new = {g.name: g for g in self.groups if g.name not in set(drop)}
         new.update({g.name: g for g in groups})
         return Pipeline(self.name, self.source, self.ops, new.values(), self.cluster, self.config,
-                        self.outputs, self.doc)
+                        self.outputs, self.doc, self._prepare_ref())
 
     def with_outputs(self, *outputs: str, drop: Iterable[str] = ()) -> Pipeline:
         """A new pipeline keeping other columns: `outputs` added, `drop` removed."""
         keep = [c for c in self.outputs if c not in set(drop)] + [c for c in outputs if c not in self.outputs]
-        return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, self.config, keep, self.doc)
+        return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, self.config, keep, self.doc,
+                        self._prepare_ref())
 
     def with_config(self, **namespaces: Mapping[str, Any]) -> Pipeline:
         """A new pipeline with config defaults merged in, e.g. ``with_config(actor={"lr": 1e-6})``."""
@@ -451,7 +464,14 @@ class Pipeline:
         for ns, values in namespaces.items():
             merged.setdefault(ns, {}).update(values)
         return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, merged,
-                        self.outputs, self.doc)
+                        self.outputs, self.doc, self._prepare_ref())
+
+    def _prepare_ref(self) -> Any:
+        if self.prepare is None:
+            return None
+        from rlgraph.runtime.invoke import resolve_impl
+
+        return resolve_impl(self.prepare, self.prepare_file)[0]
 
     def compile(self, overrides: Iterable[str] | Mapping[str, str] = ()) -> Any:
         """Shorthand for `rlgraph.compile(self, overrides)`."""

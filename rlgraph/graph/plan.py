@@ -188,6 +188,8 @@ class Plan(_Frozen):
     rlgraph_version: str
     pipeline: str = Field(description="pipeline name")
     pipeline_ref: str | None = Field(None, description="how to load the pipeline again (file or module:attr)")
+    prepare: str | None = Field(None, description="'module:function' that `rlgraph run` calls first")
+    prepare_file: str | None = Field(None, description="source file of the prepare function's module")
     source: str = Field("data", description="name of the data source node (and of its config namespace)")
     source_impl: str | None = Field(None, description="'module:qualname' of the data source")
     source_impl_file: str | None = Field(None, description="source file of the data source's module")

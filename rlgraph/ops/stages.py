@@ -114,6 +114,7 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
         config_key="rollout",
         params={
             "n": Param(int, 4, "responses sampled per prompt (the group size)", minimum=1),
+            "model_path": Param(str, "", "policy model directory for a generation-only group (default: actor.model_path)"),
             "temperature": Param(float, 1.0, "sampling temperature (0: greedy)", minimum=0.0),
             "top_p": Param(float, 1.0, "nucleus sampling mass", minimum=0.0),
             "top_k": Param(int, 0, "sample from the k most likely tokens (0: off)", minimum=0),
@@ -139,6 +140,8 @@ def reward(group: str = "reward", **changes: Any) -> OpSpec:
         granularity="sample",
         group=group,
         params={
+            "tokenizer": Param(str, "", "tokenizer directory for decoding responses (default: data.tokenizer, "
+                               "then actor.model_path)"),
             "fn": Param(str, "rlgraph.ops.rewards:compute_score",
                         "'module:function' with signature compute_score(data_source, solution_str, "
                         "ground_truth, extra_info=None) -> float | dict"),
@@ -177,8 +180,10 @@ def old_logprob(group: str = "actor", **changes: Any) -> OpSpec:
 
 def ref(group: str = "actor", **changes: Any) -> OpSpec:
     """Log-probs of the responses under the frozen reference policy."""
-    return _forward("ref", ("ref_log_prob",), group, "rlgraph.ops.actor:ActorWorker.compute_ref_log_prob",
-                    None, "Forward pass of the frozen reference model.").with_(**changes)
+    spec = _forward("ref", ("ref_log_prob",), group, "rlgraph.ops.actor:ActorWorker.compute_ref_log_prob",
+                    None, "Forward pass of the frozen reference model.")
+    params = {**spec.params, "model_path": Param(str, "", "reference model directory (default: actor.model_path)")}
+    return spec.with_(params=params, **changes)
 
 
 def values(group: str = "critic", **changes: Any) -> OpSpec:
@@ -248,7 +253,7 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
             "kl_target": Param(float, 0.1, "adaptive controller's KL target", minimum=0.0),
             "kl_horizon": Param(int, 10000, "adaptive controller's horizon", minimum=1),
         },
-        impl="rlgraph.ops.advantage:compute_advantage",
+        impl="rlgraph.ops.advantage:AdvantageWorker.compute_advantage",
         validate=_validate_advantage(granularity),
         uses=_advantage_uses,
         cost=0.2,
@@ -258,6 +263,7 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
 
 def _update_params(lr: float, extra: Mapping[str, Param]) -> dict[str, Param]:
     return {
+        "model_path": Param(str, "", "local Hugging Face model directory (the critic defaults to actor.model_path)"),
         "lr": Param(float, lr, "learning rate", minimum=0.0),
         "mini_batch_size": Param(int, 4, "prompts per mini-batch (x n samples)", minimum=1),
         "micro_batch_size": Param(int, 8, "samples per micro-batch on a rank (gradient accumulation)", minimum=1),

@@ -37,13 +37,18 @@ def _split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         tensors[key] = obj.detach().cpu().contiguous()
         return {_TENSOR: key}
     if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise CheckpointError(f"state at {path or '<root>'!r} has non-string keys; use str keys")
-        return {"__dict__": {k: _split(v, f"{path}.{k}" if path else k, tensors) for k, v in obj.items()}}
+        if all(isinstance(k, str) for k in obj):
+            return {"__dict__": {k: _split(v, f"{path}.{k}" if path else k, tensors) for k, v in obj.items()}}
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in obj):  # optimizer state: param ids
+            return {"__intdict__": {str(k): _split(v, f"{path}.{k}" if path else str(k), tensors)
+                                    for k, v in obj.items()}}
+        raise CheckpointError(f"state at {path or '<root>'!r} mixes key types; use all-str or all-int keys")
     if isinstance(obj, (list, tuple)):
         return {"__list__": [_split(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    if obj is None or isinstance(obj, (bool, int, str)):
         return obj
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else {"__float__": repr(obj)}  # nan/inf
     raise CheckpointError(
         f"cannot checkpoint {type(obj).__name__} at {path or '<root>'!r}: states must be tensors, dicts, lists, "
         f"numbers or strings (return state_dict()-style values)"
@@ -56,8 +61,12 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return tensors[obj[_TENSOR]]
         if "__dict__" in obj:
             return {k: _join(v, tensors) for k, v in obj["__dict__"].items()}
+        if "__intdict__" in obj:
+            return {int(k): _join(v, tensors) for k, v in obj["__intdict__"].items()}
         if "__list__" in obj:
             return [_join(v, tensors) for v in obj["__list__"]]
+        if "__float__" in obj:
+            return float(obj["__float__"])
     return obj
 
 

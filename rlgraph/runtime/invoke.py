@@ -61,6 +61,10 @@ class OpContext:
     rows: tuple[int, ...]
     is_padding: tuple[bool, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the whole resolved config, nested
+    # per named ragged dimension, each row's true length (inputs arrive right-padded with zeros)
+    lengths: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    master_addr: str = "127.0.0.1"  # rank 0's address and a free port there: the group's
+    master_port: int = 0  # torch.distributed rendezvous (DDP, DeepSpeed)
 
 
 def resolve_impl(ref: str, impl_file: str | None = None) -> tuple[Any, str | None]:
@@ -111,10 +115,14 @@ def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> di
     out: dict[str, list[int]] = {}
     for name, values in stored_inputs.items():
         col = plan.columns[name]
-        if col.level != "sample" or isinstance(values, torch.Tensor):
+        if col.level != "sample" or col.dtype in ("str", "json", "opaque"):
             continue
         for axis, dim in enumerate(col.shape):
-            if isinstance(dim, str) and dim not in out and isinstance(values, (list, tuple)):
+            if not isinstance(dim, str) or dim in out or dim == "*":
+                continue
+            if isinstance(values, torch.Tensor):  # every row had the same length: the data plane sent it dense
+                out[dim] = [int(values.shape[axis + 1])] * int(values.shape[0])
+            elif isinstance(values, (list, tuple)):
                 try:
                     out[dim] = [int(torch.as_tensor(v).shape[axis]) for v in values]
                 except (IndexError, TypeError):
@@ -165,11 +173,14 @@ def check_outputs(plan: Plan, op: OpPlan, result: Any, n_rows: int,
 class Invoker:
     """Holds an actor's op bodies (instantiating each worker class once) and calls them."""
 
-    def __init__(self, plan: Plan, group: str, rank: int, dp: int) -> None:
+    def __init__(self, plan: Plan, group: str, rank: int, dp: int, master_addr: str = "127.0.0.1",
+                 master_port: int = 0) -> None:
         self.plan = plan
         self.group = group
         self.rank = rank
         self.dp = dp
+        self.master_addr = master_addr
+        self.master_port = master_port
         self.instances: dict[str, Any] = {}
         self.fns: dict[str, Callable] = {}
         self.state: dict[str, Any] = {}  # state columns produced or imported here
@@ -196,7 +207,8 @@ class Invoker:
     def _worker_context(self) -> OpContext:
         return OpContext(op="", group=self.group, rank=self.rank, dp=self.dp, step=-1, chunk=-1,
                          seed=int(self.plan.config.get("trainer", {}).get("seed", 0)), rows=(),
-                         is_padding=(), config=self.plan.config)
+                         is_padding=(), config=self.plan.config, master_addr=self.master_addr,
+                         master_port=self.master_port)
 
     def call(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
              inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -210,14 +222,17 @@ class Invoker:
             kwargs[name] = self.state.get(name)
         kwargs.update(op.params)
         params = inspect.signature(fn).parameters
+        lengths = _row_lengths(self.plan, op, inputs)
         if "ctx" in params:
             seed = stable_seed(self.plan.config.get("trainer", {}).get("seed", 0), step, op.name, chunk)
             kwargs["ctx"] = OpContext(op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step,
                                       chunk=chunk, seed=seed, rows=tuple(rows), is_padding=tuple(is_padding),
-                                      config=self.plan.config)
+                                      config=self.plan.config, master_addr=self.master_addr,
+                                      master_port=self.master_port,
+                                      lengths={k: tuple(v) for k, v in lengths.items()})
         accepted = {k: v for k, v in kwargs.items() if k in params or _has_var_kw(params)}
         result = fn(**accepted)
-        out = check_outputs(self.plan, op, result, len(rows), _row_lengths(self.plan, op, inputs))
+        out = check_outputs(self.plan, op, result, len(rows), lengths)
         for name in op.outputs:
             if self.plan.columns[name].kind == "state":
                 self.state[name] = out[name]

@@ -155,8 +155,12 @@ class Runner:
                 for r in range(g.dp)
             ]
         self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
-        pings = [w.ping.remote() for ws in self.workers.values() for w in ws] + [self.source.state_dict.remote()]
-        self._get(pings, "worker start-up (model loading, op imports)")
+        # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
+        names = list(self.workers)
+        meet = self._get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+        setups = [w.setup.remote(*meet[i]) for i, g in enumerate(names) for w in self.workers[g]]
+        self._get(setups + [self.source.state_dict.remote()],
+                  "worker start-up (op imports, worker classes' setup: model loading)")
 
     def _start_dataplane(self) -> Any:
         from rlgraph.runtime.dataplane import (RayObjectStoreDataPlane, TransferQueueConfig,
@@ -405,7 +409,17 @@ class Runner:
         return int(meta["step"])
 
 
+def prepare(plan: Plan) -> None:
+    """Call the pipeline's prepare hook (local assets such as data sets and tiny models)."""
+    if plan.prepare:
+        from rlgraph.runtime.invoke import resolve_impl
+
+        fn, _ = resolve_impl(plan.prepare, plan.prepare_file)
+        fn(plan.config)
+
+
 def run_plan(plan: Plan, options: RunOptions, plane: Any = None) -> list[dict[str, Any]]:
-    """Start everything, run the steps, stop everything. Returns the per-step metrics."""
+    """Prepare, start everything, run the steps, stop everything. Returns the per-step metrics."""
+    prepare(plan)
     with Runner(plan, options, plane) as runner:  # stops everything it started, also on Ctrl-C
         return runner.run()

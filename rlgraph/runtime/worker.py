@@ -55,10 +55,24 @@ class GroupWorker:
         self.plan = Plan.model_validate_json(plan_json)
         self.group, self.rank, self.dp = group, rank, dp
         self.client = handle.connect()
-        self.invoker = Invoker(self.plan, group, rank, dp)
+        self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
         self.fail_at: tuple[str, int, int] | None = None  # fault injection: (op, step, chunk)
 
-    def ping(self) -> str:
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port on it (asked of rank 0 for its group)."""
+        import socket
+
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return addr, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> str:
+        """Import the group's op bodies and instantiate its worker classes (all ranks at once:
+        their setup may join a process group)."""
+        self.invoker = Invoker(self.plan, self.group, self.rank, self.dp, master_addr, master_port)
         return f"{self.group}[{self.rank}] pid {os.getpid()}"
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],

@@ -1,0 +1,65 @@
+"""The RL math of PPO/GRPO post-training, in pure torch: masked statistics, advantage
+estimators, KL penalties and controllers, and the PPO losses (BRIEF section 3).
+
+No Ray, no models: every function takes `[b, T]` tensors over response tokens and is tested
+against values worked out by hand.
+"""
+
+from rlgraph.ops.algos.advantages import (
+    ESTIMATORS,
+    AdvantageResult,
+    compute_advantage,
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from rlgraph.ops.algos.core import (
+    AGG_MODES,
+    agg_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+from rlgraph.ops.algos.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLPenaltyResult,
+    apply_kl_penalty,
+    kl_loss,
+    kl_penalty,
+)
+from rlgraph.ops.algos.losses import PolicyLossResult, ValueLossResult, policy_loss, value_loss
+
+__all__ = [
+    "AGG_MODES",
+    "ESTIMATORS",
+    "KL_KINDS",
+    "AdaptiveKLController",
+    "AdvantageResult",
+    "FixedKLController",
+    "KLPenaltyResult",
+    "PolicyLossResult",
+    "ValueLossResult",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_advantage",
+    "entropy_from_logits",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "value_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+]

@@ -1,0 +1,177 @@
+"""Advantage estimators against hand-worked values, and padding rows that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlgraph.errors import ConfigError
+from rlgraph.ops import stages
+from rlgraph.ops.algos.advantages import ESTIMATORS, compute_advantage
+
+
+def _whiten_by_hand(values: list[float]) -> torch.Tensor:
+    """(x - mean) / unbiased std of a flat list of valid-token values."""
+    x = torch.tensor(values, dtype=torch.float32)
+    return (x - x.mean()) / torch.sqrt(x.var(unbiased=True) + 1e-8)
+
+
+def _outcome(scores: list[float], lengths: list[int], T: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rewards with each score on the last valid token, and the response mask."""
+    mask = (torch.arange(T) < torch.tensor(lengths).unsqueeze(-1)).long()
+    rewards = torch.zeros(len(scores), T)
+    for i, (s, n) in enumerate(zip(scores, lengths)):
+        rewards[i, max(n - 1, 0)] = s
+    return rewards * mask, mask
+
+
+def test_estimator_names_match_the_stage_declaration():
+    assert set(ESTIMATORS) == set(stages.ESTIMATORS)
+
+
+def test_gae_by_hand():
+    # one sample, 3 valid tokens and one padding token whose value (9) must be ignored
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # gamma = 0.9, lam = 0.8, gamma * lam = 0.72, V beyond the last valid token is 0:
+    # t=2: delta = 1 + 0.9*0   - 0.7 = 0.3  ; A2 = 0.3
+    # t=1: delta = 0 + 0.9*0.7 - 0.6 = 0.03 ; A1 = 0.03 + 0.72*0.3   = 0.246
+    # t=0: delta = 0 + 0.9*0.6 - 0.5 = 0.04 ; A0 = 0.04 + 0.72*0.246 = 0.21712
+    # returns = A + V = 0.71712, 0.846, 1.0
+    res = compute_advantage("gae", rewards, mask, torch.tensor([0]), values=values, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(res.returns, torch.tensor([[0.71712, 0.846, 1.0, 0.0]]))
+    want = _whiten_by_hand([0.21712, 0.246, 0.3])
+    torch.testing.assert_close(res.advantages[0, :3], want)
+    assert res.advantages[0, 3].item() == 0.0
+
+
+def test_gae_with_gamma_lam_one_is_return_to_go_minus_value():
+    # A_t = sum_{k >= t} r_k - V_t = 1 - V_t = 0.5, 0.4, 0.3 ; returns = 1, 1, 1
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [1.0, 1.5, 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # second row: A = 2 - 1 = 1, 2 - 1.5 = 0.5 ; returns = 2, 2
+    res = compute_advantage("gae", rewards, mask, torch.tensor([0, 1]), values=values)
+    torch.testing.assert_close(res.returns, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    want = _whiten_by_hand([0.5, 0.4, 0.3, 1.0, 0.5])
+    torch.testing.assert_close(res.advantages[mask.bool()], want)
+
+
+def test_grpo_by_hand():
+    # group 0 scores [1, 0, 0, 1]: mean 0.5, unbiased std sqrt((4 * 0.25) / 3) = 0.57735
+    # advantages +-0.5 / (0.57735 + 1e-6) = +-0.86602 ; group 7 has one sample: (2 - 0) / (1 + 1e-6)
+    rewards, mask = _outcome([1, 0, 0, 1, 2], [3, 2, 3, 1, 2])
+    uid = torch.tensor([0, 0, 0, 0, 7])
+    res = compute_advantage("grpo", rewards, mask, uid)
+    a = 0.5 / (3 ** -0.5 + 1e-6)
+    want = torch.tensor([a, -a, -a, a, 2 / (1 + 1e-6)]).unsqueeze(-1) * mask
+    torch.testing.assert_close(res.advantages, want)
+    assert a == pytest.approx(0.86602, abs=1e-5)
+    assert res.returns is res.advantages
+
+
+def test_drgrpo_does_not_divide_by_std():
+    rewards, mask = _outcome([1, 0, 0, 1, 2], [3, 2, 3, 1, 2])
+    uid = torch.tensor([0, 0, 0, 0, 7])
+    # s - mean: +-0.5 ; the group of one keeps its score 2
+    want = torch.tensor([0.5, -0.5, -0.5, 0.5, 2.0]).unsqueeze(-1) * mask
+    torch.testing.assert_close(compute_advantage("drgrpo", rewards, mask, uid).advantages, want)
+    # "drgrpo" ignores norm_adv_by_std; "grpo" with norm_adv_by_std=False is the same thing
+    torch.testing.assert_close(compute_advantage("drgrpo", rewards, mask, uid, norm_adv_by_std=True).advantages, want)
+    torch.testing.assert_close(compute_advantage("grpo", rewards, mask, uid, norm_adv_by_std=False).advantages, want)
+
+
+def test_rloo_by_hand():
+    # group 0 (n=4) scores [4, 0, 2, 2], mean 2: A_i = s_i - mean of the other three
+    #   4 - (0+2+2)/3 = 8/3 ; 0 - 8/3 = -8/3 ; 2 - 6/3 = 0 ; 0
+    #   = s*4/3 - 2*4/3: 16/3 - 8/3 = 8/3 (same)
+    # group 5 has one sample: no others to compare with, advantage 0
+    rewards, mask = _outcome([4, 0, 2, 2, 9], [3, 1, 2, 3, 3])
+    uid = torch.tensor([0, 0, 0, 0, 5])
+    res = compute_advantage("rloo", rewards, mask, uid)
+    want = torch.tensor([8 / 3, -8 / 3, 0.0, 0.0, 0.0]).unsqueeze(-1) * mask
+    torch.testing.assert_close(res.advantages, want)
+
+
+def test_reinforce_plus_plus_by_hand():
+    # gamma = 0.5 ; row 0 r = [1, 0, 2]: G2 = 2, G1 = 0 + 0.5*2 = 1, G0 = 1 + 0.5*1 = 1.5
+    #               row 1 r = [0, 3, pad 7]: G1 = 3, G0 = 1.5 (the padding reward is ignored)
+    rewards = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    res = compute_advantage("reinforce_plus_plus", rewards, mask, torch.tensor([0, 1]), gamma=0.5)
+    torch.testing.assert_close(res.returns, torch.tensor([[1.5, 1.0, 2.0], [1.5, 3.0, 0.0]]))
+    # whitened over the 5 valid tokens (mean 9/5 = 1.8)
+    torch.testing.assert_close(res.advantages[mask.bool()], _whiten_by_hand([1.5, 1.0, 2.0, 1.5, 3.0]))
+    assert res.advantages[1, 2].item() == 0.0
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    # scores [3, 1 | 5], uid [0, 0 | 1]: group 0 mean 2 -> +1, -1 ; group of one: mean 0 -> 5
+    # broadcast over lengths [2, 1, 2]: tokens 1, 1, -1, 5, 5 (mean 11/5 = 2.2), then whitened
+    rewards, mask = _outcome([3, 1, 5], [2, 1, 2])
+    res = compute_advantage("reinforce_plus_plus_baseline", rewards, mask, torch.tensor([0, 0, 1]))
+    torch.testing.assert_close(res.advantages[mask.bool()], _whiten_by_hand([1, 1, -1, 5, 5]))
+    assert (res.advantages[~mask.bool()] == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_padding_rows_and_padding_tokens_change_nothing(estimator):
+    torch.manual_seed(0)
+    lengths = torch.tensor([4, 2, 3, 1])
+    mask = (torch.arange(5) < lengths.unsqueeze(-1)).long()  # [4, 5]
+    rewards = torch.randn(4, 5) * mask
+    values = torch.randn(4, 5) * mask
+    uid = torch.tensor([3, 3, 8, 8])
+    kw = dict(values=None, gamma=0.9, lam=0.95)
+    base = compute_advantage(estimator, rewards, mask, uid, **{**kw, "values": values})
+
+    # garbage on the padding tokens of the real rows, and two padding rows with their own uids
+    junk = torch.randn(6, 5) * 100
+    pad_mask = torch.cat([mask, torch.zeros(2, 5, dtype=mask.dtype)])
+    pad_rewards = torch.where(pad_mask.bool(), torch.cat([rewards, rewards[:2]]), junk)
+    pad_values = torch.where(pad_mask.bool(), torch.cat([values, values[:2]]), junk.flip(0))
+    pad_uid = torch.tensor([3, 3, 8, 8, 100, 101])
+    padded = compute_advantage(estimator, pad_rewards, pad_mask, pad_uid, **{**kw, "values": pad_values})
+
+    torch.testing.assert_close(padded.advantages[:4], base.advantages)
+    torch.testing.assert_close(padded.returns[:4], base.returns)
+    assert (padded.advantages[4:] == 0).all() and (padded.advantages[~pad_mask.bool()] == 0).all()
+
+
+def test_compute_advantage_does_not_track_gradients():
+    rewards = torch.ones(2, 3, requires_grad=True)
+    res = compute_advantage("grpo", rewards, torch.ones(2, 3), torch.tensor([0, 0]))
+    assert not res.advantages.requires_grad
+
+
+def test_unknown_estimator_names_the_choices():
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'ppo'; choose one of gae, grpo, drgrpo, rloo"):
+        compute_advantage("ppo", torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([0]))
+
+
+def test_gae_needs_values():
+    with pytest.raises(ValueError, match="estimator 'gae' needs values"):
+        compute_advantage("gae", torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([0]))
+
+
+def test_shape_problems_are_reported_together():
+    with pytest.raises(ValueError, match="^grpo_advantages: ") as err:
+        compute_advantage("grpo", torch.zeros(2, 3), torch.ones(2, 4), torch.tensor([0.0, 1.0, 2.0]))
+    msg = str(err.value)
+    assert r"response_mask has shape (2, 4) but token_level_rewards has (2, 3)" in msg
+    assert "uid has shape (3,); it must be [b] = (2,)" in msg
+    assert "uid has dtype torch.float32; pass an integer (int64) prompt id" in msg
+
+
+def test_shape_errors_for_values_and_rank():
+    with pytest.raises(ValueError, match=r"values has shape \(2, 2\) but token_level_rewards has \(2, 3\)"):
+        compute_advantage("gae", torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([0, 1]), values=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"token_level_rewards must be \[b, T\], got shape \(3,\)"):
+        compute_advantage("reinforce_plus_plus", torch.zeros(3), torch.ones(3), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_group_estimators_accept_an_empty_batch(estimator):
+    res = compute_advantage(estimator, torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+    assert res.advantages.shape == (0, 3)
