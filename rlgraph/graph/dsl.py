@@ -407,6 +407,7 @@ class Pipeline:
         outputs: Iterable[str] = (),
         doc: str = "",
         prepare: Any = None,
+        prepare_file: str | None = None,
     ) -> None:
         if not isinstance(source, DataSource):
             raise DeclarationError(f"pipeline {name!r}: source must be a DataSource, got {source!r}")
@@ -422,7 +423,6 @@ class Pipeline:
         object.__setattr__(self, "config", MappingProxyType(dict(config or {})))
         object.__setattr__(self, "outputs", tuple(outputs))
         object.__setattr__(self, "doc", doc)
-        prepare_file = None
         if prepare is not None and not isinstance(prepare, str):
             if not callable(prepare):
                 raise DeclarationError(f"pipeline {name!r}: prepare must be a function or 'module:function'")
