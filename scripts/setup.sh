@@ -23,4 +23,4 @@ pip_install() {
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
     pip_install "torch==2.13.0"
 fi
-pip_install -c scripts/constraints.txt -e ".[test]"
+pip_install -c scripts/constraints.txt -e ".[test,deepspeed]"
