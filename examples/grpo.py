@@ -1,13 +1,31 @@
-"""GRPO: no critic; advantages are group-normalised scores, computed per group of n samples.
+"""GRPO on a tiny language model: no critic; advantages are group-normalised scores.
 
-The advantage op runs per group, so each prompt's n responses are scored and normalised as
-soon as they all exist, while the rest of the batch is still generating.
+The task (``data.task``, default ``add``: "3+4=" -> "7") is generated in verl's data layout;
+the reward is 1 for a correct answer and 0 otherwise, so the mean reward reads as accuracy.
+Before the first run, ``prepare`` builds a tiny Qwen2-style model with a character tokenizer
+and gives it a short, open supervised warm start (cached in ``actor.model_path``).
 
+The advantage op runs per group, so each prompt's n responses are normalised as soon as they
+are all scored, while the rest of the batch is still generating.
+
+    rlgraph run examples/grpo.py -o runs/grpo
     rlgraph compile examples/grpo.py -o build/grpo
 """
 
 from rlgraph import Cluster, Pipeline, WorkerGroup
 from rlgraph.ops import stages
+
+MODEL = "~/.cache/rlgraph/models/tiny-add-grpo"
+SFT_STEPS = 100
+
+
+def prepare(config):
+    """Build and warm start the tiny policy once (rlgraph run calls this before starting)."""
+    from rlgraph.ops.tiny import prepare_tiny_policy
+
+    prepare_tiny_policy(config["actor"]["model_path"], config["data"]["task"], SFT_STEPS,
+                        seed=config["trainer"]["seed"])
+
 
 pipeline = Pipeline(
     name="grpo",
@@ -27,9 +45,13 @@ pipeline = Pipeline(
     ],
     cluster=Cluster(num_nodes=1, cpus_per_node=8, gpus_per_node=0),
     config={
-        "data": {"batch_size": 8},
-        "rollout": {"n": 8, "max_new_tokens": 16},
-        "actor": {"lr": 1e-4, "mini_batch_size": 4, "use_kl_loss": True},
-        "trainer": {"steps": 20},
+        "data": {"batch_size": 16, "task": "add"},
+        "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0, "micro_batch_size": 8},
+        "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 16, "micro_batch_size": 64,
+                  "use_kl_loss": True, "kl_loss_coef": 0.001},
+        "old_logprob": {"micro_batch_size": 64},
+        "ref": {"micro_batch_size": 64},
+        "trainer": {"steps": 300},
     },
+    prepare=prepare,
 )

@@ -89,13 +89,29 @@ ESTIMATORS: Mapping[str, tuple[str, bool]] = MappingProxyType({
 
 def prompt_source(**params: Param) -> DataSource:
     """Prompts in verl's layout (parquet/JSONL: ``prompt`` chat messages, ``data_source``,
-    ``reward_model.ground_truth``, ``extra_info``), tokenised, each repeated n times."""
+    ``reward_model.ground_truth``, ``extra_info``), tokenised, each repeated n times.
+
+    With an empty ``data.path`` the prompts of the built-in task ``data.task`` are generated
+    (see `rlgraph.ops.tasks`). The body is `rlgraph.ops.data.PromptSource`."""
     return DataSource(
         columns=_cols("prompt_ids", "data_source", "ground_truth", "extra_info"),
         params={
-            "path": Param(str, "", "parquet or JSONL file of prompts; empty: the example's own generated set"),
-            "max_prompt_length": Param(int, 64, "prompts longer than this (in tokens) are rejected", minimum=1),
-            "shuffle": Param(bool, True, "shuffle prompts each epoch (seeded by trainer.seed)"),
+            "path": Param(str, "", "parquet or JSONL file of prompts in verl's layout; empty: generate data.task"),
+            "val_path": Param(str, "", "parquet or JSONL file of validation prompts (read in order); empty: the "
+                                       "generated task's test split, or no validation when data.path is set"),
+            "tokenizer": Param(str, "", "HF directory whose tokenizer and chat template encode the prompts (use "
+                                        "the policy's); empty: the built-in character tokenizer of the tiny models"),
+            "max_prompt_length": Param(int, 64, "longest prompt in tokens, chat template included", minimum=1),
+            "filter_overlong_prompts": Param(bool, True, "drop (and count) prompts longer than max_prompt_length; "
+                                                         "false: such a prompt is an error naming its row"),
+            "shuffle": Param(bool, True, "shuffle prompts each epoch (seeded by trainer.seed and the epoch)"),
+            "task": Param(str, "add", "built-in task generated when data.path is empty", choices=("add", "count")),
+            "num_rows": Param(int, 1024, "train rows generated when data.path is empty", minimum=1),
+            "num_val_rows": Param(int, 64, "validation rows generated when data.path and data.val_path are empty",
+                                  minimum=1),
+            "reader": Param(str, "auto", "how files are read: ray (Ray Data), local (pyarrow; JSONL line by line), "
+                                         "auto (ray when Ray runs in the process with a CPU free, else local)",
+                            choices=("auto", "ray", "local")),
             **params,
         },
         impl="rlgraph.ops.data:PromptSource",

@@ -52,6 +52,8 @@ class GroupWorker:
 
     def __init__(self, plan_json: str, group: str, rank: int, dp: int, handle: Any) -> None:
         os.environ.setdefault("TQ_NUM_THREADS", "2")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no per-load bars in every worker's log
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self.plan = Plan.model_validate_json(plan_json)
         self.group, self.rank, self.dp = group, rank, dp
         self.client = handle.connect()

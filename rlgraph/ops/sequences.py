@@ -1,0 +1,71 @@
+"""Sequence layouts: ragged rows of the data plane <-> the padded batches a model takes.
+
+Rows are stored unpadded (a prompt of P_i tokens, a response of R_i tokens). For a forward pass
+a chunk is packed verl-style: prompts left-padded to the chunk's longest prompt P, responses
+right-padded to its longest response R, so every response starts at column P and
+
+    logits[:, P - 1 + t]  predicts  response token t        (t = 0 .. R-1)
+
+which makes response log-probs a slice instead of a per-row gather.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+__all__ = ["Packed", "split_rows", "pack", "response_logits", "unpad"]
+
+
+class Packed(NamedTuple):
+    input_ids: torch.Tensor  # [b, P + R]
+    attention_mask: torch.Tensor  # [b, P + R]
+    position_ids: torch.Tensor  # [b, P + R]
+    response_mask: torch.Tensor  # [b, R] 1 on real response tokens
+    prompt_width: int  # P
+    response_width: int  # R
+
+
+def split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               response_lengths: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Cut right-padded prompt+response rows back into their prompts and responses."""
+    prompts, responses = [], []
+    for i, r in enumerate(response_lengths):
+        length = int(attention_mask[i].sum())
+        p = length - int(r)
+        prompts.append(input_ids[i, :p])
+        responses.append(input_ids[i, p:length])
+    return prompts, responses
+
+
+def pack(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad_id: int) -> Packed:
+    """Left-pad prompts and right-pad responses into one [b, P + R] batch."""
+    b = len(prompts)
+    P = max(len(p) for p in prompts)
+    R = max(len(r) for r in responses)
+    input_ids = torch.full((b, P + R), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, P + R), dtype=torch.long)
+    response_mask = torch.zeros((b, R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, P - len(p):P] = p
+        input_ids[i, P:P + len(r)] = r
+        attention_mask[i, P - len(p):P + len(r)] = 1
+        response_mask[i, :len(r)] = 1
+    # positions count real tokens only, so left padding does not shift them
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return Packed(input_ids, attention_mask, position_ids, response_mask, P, R)
+
+
+def response_logits(model: torch.nn.Module, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
+    """Logits predicting each response token, [b, R, vocab], divided by the sampling temperature."""
+    out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                position_ids=packed.position_ids, use_cache=False)
+    P, R = packed.prompt_width, packed.response_width
+    logits = out.logits[:, P - 1:P - 1 + R, :].float()
+    return logits / temperature if temperature > 0 else logits
+
+
+def unpad(values: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Rows of a right-padded [b, R, ...] tensor, each cut to its length."""
+    return [values[i, :int(n)] for i, n in enumerate(lengths)]

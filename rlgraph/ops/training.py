@@ -1,0 +1,82 @@
+"""Glue between the update ops and the training engine, shared by the actor and the critic.
+
+The engine (`rlgraph.ops.engine`) is created on the first update call, with the params of that
+op (lr, backend, ZeRO stage, ...). Ranks of a group join one process group at setup (the
+runtime gives each group rank 0's address and a free port), so DDP and DeepSpeed reduce
+gradients across the group's Ray actors.
+
+Sizes: the runtime hands each rank its share of the padded batch. The plan's mini-batch is
+``mini_batch_size`` prompts x n samples over all ranks, so a rank's share of one mini-batch is
+``mini_batch_size * n / dp`` samples, and every rank runs the same number of mini-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+__all__ = ["section", "TrainerMixin"]
+
+_ENGINE_PARAMS = ("lr", "weight_decay", "grad_clip", "lr_warmup_steps", "backend", "zero_stage")
+
+
+def section(ctx: Any, name: str) -> Mapping[str, Any]:
+    """The ``name.*`` part of the resolved config (empty if the pipeline has none)."""
+    return (ctx.config or {}).get(name, {}) if ctx is not None else {}
+
+
+class TrainerMixin:
+    """Adds ``self.train(...)`` to a worker class; call ``init_trainer(ctx)`` in ``setup``."""
+
+    engine: Any = None
+
+    def init_trainer(self, ctx: Any) -> None:
+        self.rank, self.dp = ctx.rank, ctx.dp
+        self.engine = None
+        self._pending_state: Mapping[str, Any] | None = None
+        if ctx.dp > 1:
+            from rlgraph.ops.engine import init_distributed
+
+            init_distributed(ctx.rank, ctx.dp, master_addr=ctx.master_addr, master_port=ctx.master_port)
+
+    def train(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_fn: Callable, ctx: Any, n: int,
+              *, mini_batch_size: int, micro_batch_size: int, ppo_epochs: int = 1, **params: Any) -> dict[str, Any]:
+        """One update call: mini-batches x epochs over this rank's rows; returns averaged metrics."""
+        from rlgraph.ops.engine import EngineConfig, TrainEngine
+
+        if self.engine is None:
+            cfg = EngineConfig(**{k: params[k] for k in _ENGINE_PARAMS if k in params},
+                               seed=int(section(ctx, "trainer").get("seed", 0)))
+            self.engine = TrainEngine.create(model, cfg, rank=self.rank, world_size=self.dp)
+            if self._pending_state is not None:
+                self.engine.load_state_dict(self._pending_state)
+                self._pending_state = None
+        rows = int(batch["response_mask"].shape[0])
+        per_rank = max(1, (mini_batch_size * int(n)) // self.dp)
+        model.train()
+        history = self.engine.train(batch, loss_fn, mini_batch_size=min(per_rank, rows),
+                                    micro_batch_size=micro_batch_size, epochs=ppo_epochs,
+                                    seed=int(section(ctx, "trainer").get("seed", 0)) + 1000 * ctx.step)
+        return _summarise(history)
+
+    def trainer_state(self) -> Mapping[str, Any] | None:
+        return self.engine.state_dict() if self.engine is not None else self._pending_state
+
+    def load_trainer_state(self, state: Mapping[str, Any] | None) -> None:
+        if state is None:
+            return
+        if self.engine is not None:
+            self.engine.load_state_dict(state)
+        else:  # the engine is made on the first update: restore into it then
+            self._pending_state = state
+
+
+def _summarise(history: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean of each numeric metric over the optimizer steps, plus the number of steps."""
+    out: dict[str, Any] = {"optimizer_steps": len(history)}
+    keys = sorted({k for h in history for k, v in h.items() if isinstance(v, (int, float))})
+    for k in keys:
+        vals = [float(h[k]) for h in history if isinstance(h.get(k), (int, float))]
+        out[k] = sum(vals) / len(vals)
+    return out

@@ -1,0 +1,167 @@
+"""Tiny models built offline: char tokenizer, random Qwen2/Llama, critic, SFT warm start."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may touch the network
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rlgraph.errors import RLGraphError  # noqa: E402
+from rlgraph.ops import models, tasks  # noqa: E402
+from rlgraph.ops.models import ModelLoadError  # noqa: E402
+
+USER = [{"role": "user", "content": "3+4="}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return models.build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", seed=0)
+
+
+def test_char_tokenizer_encodes_one_token_per_character():
+    tok = models.char_tokenizer("ab1 \n")
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert len(tok) == len(models.SPECIAL_TOKENS) + 5
+    ids = tok("ab 1\nb", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6
+    assert tok.decode(ids) == "ab 1\nb"  # no spaces inserted between characters
+    assert tok("z", add_special_tokens=False)["input_ids"] == [tok.unk_token_id]
+
+
+def test_chat_template_adds_generation_prompt():
+    tok = models.char_tokenizer()
+    text = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert text == "<bos><|user|>3+4=<|assistant|>"
+    ids = models.encode_prompt(tok, USER)
+    # <bos>, <|user|>, 4 characters, <|assistant|>: role markers are single tokens
+    assert len(ids) == 7
+    assert ids[0] == tok.bos_token_id and tok.convert_ids_to_tokens(ids[-1]) == "<|assistant|>"
+    assert tok.decode(ids, skip_special_tokens=True) == "3+4="
+
+
+def test_tokenizer_round_trips_through_save_pretrained(tmp_path):
+    tok = models.char_tokenizer(padding_side="right")
+    tok.save_pretrained(tmp_path)
+    loaded = models.load_tokenizer(tmp_path)
+    assert loaded.padding_side == "right"
+    assert models.load_tokenizer(tmp_path, padding_side="left").padding_side == "left"
+    assert models.encode_prompt(loaded, USER) == models.encode_prompt(tok, USER)
+    assert loaded.get_vocab() == tok.get_vocab()
+
+
+def test_task_characters_are_in_the_default_vocabulary():
+    assert set(tasks.TASK_CHARS) <= set(models.DEFAULT_CHARS)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_build_tiny_model_saves_a_loadable_hf_directory(tmp_path, arch):
+    path = models.build_tiny_model(tmp_path / arch, arch=arch, hidden_size=32, num_heads=2)
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (path / name).is_file(), name
+    model, tok = models.load_causal_lm(path), models.load_tokenizer(path)
+    assert model.config.model_type == arch
+    assert model.config.vocab_size == len(tok)
+    assert (model.config.pad_token_id, model.config.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    prompt = torch.tensor([models.encode_prompt(tok, USER)])
+    out = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert out.shape[0] == 1 and 7 < out.shape[1] <= 10
+
+
+def test_build_tiny_model_is_deterministic_for_a_seed(tmp_path):
+    a = models.load_causal_lm(models.build_tiny_model(tmp_path / "a", hidden_size=32, num_heads=2, seed=3))
+    b = models.load_causal_lm(models.build_tiny_model(tmp_path / "b", hidden_size=32, num_heads=2, seed=3))
+    c = models.load_causal_lm(models.build_tiny_model(tmp_path / "c", hidden_size=32, num_heads=2, seed=4))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.embed_tokens.weight"], sc["model.embed_tokens.weight"])
+
+
+def test_build_tiny_model_does_not_disturb_the_global_rng(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    models.build_tiny_model(tmp_path / "m", hidden_size=32, num_heads=2, seed=9)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_build_tiny_model_rejects_bad_shapes(tmp_path):
+    with pytest.raises(ValueError, match="hidden_size=30 is not divisible by num_heads=4"):
+        models.build_tiny_model(tmp_path, hidden_size=30)
+    with pytest.raises(ValueError, match="arch='gpt2' is not supported"):
+        models.build_tiny_model(tmp_path, arch="gpt2")  # type: ignore[arg-type]
+
+
+def test_load_critic_keeps_the_backbone_and_adds_a_value_head(tiny):
+    policy = models.load_causal_lm(tiny)
+    critic = models.load_critic(tiny)
+    assert type(critic).__name__ == "Qwen2ForTokenClassification"
+    assert critic.config.num_labels == 1 and critic.config.classifier_dropout == 0.0
+    backbone = policy.model.state_dict()
+    assert all(torch.equal(v, backbone[k]) for k, v in critic.model.state_dict().items())
+    ids = torch.tensor([[1, 5, 10, 11], [1, 5, 12, 13]])
+    values = critic(input_ids=ids).logits
+    assert values.shape == (2, 4, 1)
+    critic.train()  # no dropout: training-mode values equal eval-mode values
+    assert torch.equal(critic(input_ids=ids).logits, values)
+
+
+def test_load_errors_are_typed_and_say_what_to_do(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist; build one with"):
+        models.load_causal_lm(tmp_path / "nope")
+    (tmp_path / "file.bin").write_text("x")
+    with pytest.raises(ModelLoadError, match="is a file, not a directory"):
+        models.load_critic(tmp_path / "file.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="not a Hugging Face model directory: it lacks config.json"):
+        models.load_causal_lm(tmp_path / "empty")
+    with pytest.raises(ModelLoadError, match="holds no tokenizer"):
+        models.load_tokenizer(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot load a causal LM from"):
+        models.load_causal_lm(tmp_path / "bad")
+    assert issubclass(ModelLoadError, RLGraphError)
+
+
+def test_a_checkpoint_missing_weights_is_an_error(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"causal LM from .* lacks weights \['model.norm.weight'\]"):
+        models.load_causal_lm(broken)
+    with pytest.raises(ModelLoadError, match=r"critic from .* lacks weights \['model.norm.weight'\]"):
+        models.load_critic(broken)
+
+
+def test_sft_warmstart_learns_the_answers_and_saves(tiny, tmp_path):
+    rows = tasks.make_rows("add", 200, seed=0)
+    out = tmp_path / "sft"
+    metrics = models.sft_warmstart(tiny, tasks.sft_examples(rows), steps=40, lr=3e-3, batch_size=16, out_dir=out)
+    assert metrics.steps == 40 and metrics.examples == 200 and metrics.out_dir == out
+    assert metrics.loss_last < metrics.loss_first / 2  # ~4.0 (uniform over 57 tokens) to below 2
+    tuned = models.load_causal_lm(out)
+    assert models.load_tokenizer(out).padding_side == "left"
+    before = models.load_causal_lm(tiny)  # the source directory is untouched
+    assert not torch.equal(tuned.lm_head.weight, before.lm_head.weight)
+    acc = tasks.evaluate(tuned, models.load_tokenizer(out), rows[:32])
+    assert 0.0 <= acc <= 1.0
+    again = models.sft_warmstart(out, tasks.sft_examples(rows), steps=2, batch_size=4)  # in place
+    assert again.out_dir == out and sorted(p.name for p in tmp_path.iterdir()) == ["sft"]  # no temp dirs left
+    assert not torch.equal(models.load_causal_lm(out).lm_head.weight, tuned.lm_head.weight)
+
+
+def test_sft_warmstart_rejects_empty_input(tiny):
+    with pytest.raises(ValueError, match="at least one"):
+        models.sft_warmstart(tiny, [], steps=1)
+    with pytest.raises(ValueError, match="steps=0"):
+        models.sft_warmstart(tiny, [(USER, "7")], steps=0)
