@@ -51,7 +51,7 @@ pipeline = Pipeline(
                   "use_kl_loss": True, "kl_loss_coef": 0.001},
         "old_logprob": {"micro_batch_size": 64},
         "ref": {"micro_batch_size": 64},
-        "trainer": {"steps": 300},
+        "trainer": {"steps": 350},
     },
     prepare=prepare,
 )

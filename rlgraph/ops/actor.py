@@ -62,7 +62,7 @@ class ActorWorker(TrainerMixin):
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: torch.Tensor, policy_weights: Mapping[str, Any] | None = None, *,
                  n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 max_new_tokens: int = 16, backend: str = "hf", calculate_log_probs: bool = False,
+                 max_new_tokens: int = 16, calculate_log_probs: bool = False,
                  ctx: Any = None, **_: Any) -> dict[str, Any]:
         self._sync(policy_weights)
         prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]

@@ -17,6 +17,7 @@ op, rank, step and sample ids; the run then shuts down what it started.
 
 from __future__ import annotations
 
+import json
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from rlgraph.graph.plan import Plan
 from rlgraph.runtime.book import Chunk, StepBook
 from rlgraph.runtime.checkpoint import latest_checkpoint, load_state, save_state
 from rlgraph.runtime.cluster import RayHandle, check_cluster, start_ray
-from rlgraph.runtime.metrics import MetricsWriter, step_metrics
+from rlgraph.runtime.metrics import MetricsWriter, step_metrics, write_curve_svg
 from rlgraph.runtime.progress import Reporter
 from rlgraph.runtime.trace import Span, write_chrome_trace, write_timeline_svg
 
@@ -238,6 +239,8 @@ class Runner:
                     self._checkpoint(out, step)
         finally:
             self.reporter.close()
+            all_records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+            write_curve_svg(out / "reward_curve.svg", all_records, title=f"{self.plan.pipeline}: mean reward per step")
             if self.all_spans:
                 write_chrome_trace(self.all_spans, out / "trace.json")
                 write_timeline_svg(self.all_spans, out / "timeline.svg",

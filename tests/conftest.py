@@ -1,4 +1,4 @@
-"""Session fixtures for runtime tests: one local Ray cluster and one plane per backend.
+"""Session fixtures: one local Ray cluster and one data plane per backend, started on first use.
 
 Everything stays on 127.0.0.1: on Linux Ray resolves ``_node_ip_address="127.0.0.1"`` to the
 machine's external address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (the switch behind
