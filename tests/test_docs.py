@@ -311,3 +311,15 @@ def test_links_between_docs_resolve():
                 prose = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
                 headings = re.findall(r"^#+ (.+)$", prose, re.M)
                 assert anchor in {_anchor(h) for h in headings}, f"docs/{doc} links to {target}#{anchor}: no such heading"
+
+
+def test_operators_doc_lists_every_builtin_config_key():
+    from rlgraph.ops import stages
+
+    text = (DOCS / "operators.md").read_text()
+    specs = [stages.generate(), stages.reward(), stages.old_logprob(), stages.ref(), stages.values(),
+             stages.advantage("gae"), stages.update_critic(), stages.update_actor()]
+    keys = [f"data.{k}" for k in stages.prompt_source().params]
+    keys += [f"{s.namespace}.{k}" for s in specs for k in s.params]
+    missing = [k for k in keys if f"`{k}`" not in text]
+    assert not missing, f"docs/operators.md does not list {missing}"

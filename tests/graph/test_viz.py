@@ -26,7 +26,8 @@ needs_dot = pytest.mark.skipif(
 
 
 def _pipeline(name: str):
-    pipeline, _ = load_pipeline(str(EXAMPLES / f"{name}.py"))
+    # the examples with fixed configs (tests/resources/pinned.py): their tuned defaults may change
+    pipeline, _ = load_pipeline(str(EXAMPLES.parent / "tests" / "resources" / f"{name}_pinned.py"))
     return pipeline
 
 

@@ -8,7 +8,7 @@ from rlgraph.runtime.book import StepBook, make_chunks
 
 
 def _plan(example, *overrides):
-    pipeline, _ = load_pipeline(f"examples/{example}.py")
+    pipeline, _ = load_pipeline(f"tests/resources/{example}_pinned.py")
     return compile(pipeline, list(overrides))
 
 

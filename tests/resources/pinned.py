@@ -1,0 +1,31 @@
+"""The bundled examples with the small, fixed configs the compiler tests work out by hand.
+
+The examples' own defaults are tuned for learning and may change; tests of the compiler and
+the CLI pin these instead, so their hand-computed numbers stay valid.
+"""
+
+from rlgraph import Pipeline
+from rlgraph.graph.loader import import_file
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+PPO_CONFIG = {
+    "data": {"batch_size": 8},
+    "rollout": {"n": 4, "max_new_tokens": 16},
+    "actor": {"lr": 1e-4, "mini_batch_size": 4},
+    "algorithm": {"use_kl_in_reward": True, "kl_coef": 0.01},
+    "critic": {"lr": 1e-4, "mini_batch_size": 4},
+    "trainer": {"steps": 20},
+}
+GRPO_CONFIG = {
+    "data": {"batch_size": 8},
+    "rollout": {"n": 8, "max_new_tokens": 16},
+    "actor": {"lr": 1e-4, "mini_batch_size": 4, "use_kl_loss": True},
+    "trainer": {"steps": 20},
+}
+
+
+def pinned(example: str, config: dict) -> Pipeline:
+    p = import_file(EXAMPLES / f"{example}.py").pipeline
+    return Pipeline(p.name, p.source, p.ops, p.groups, p.cluster, config, p.outputs, p.doc)
