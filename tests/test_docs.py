@@ -12,14 +12,23 @@ Conventions in docs/quickstart.md, docs/dsl.md and docs/cli.md:
   (a ``compile -o build/ppo`` early in a file leaves ``build/ppo/plan.json`` for later lines;
   commands that touch no common path run in parallel). It must exit 0, or N when the line ends
   with ``# exits N``. Other lines (``bash scripts/setup.sh``) are shown, not run.
+- a ```` ```bash slow ```` block holds training commands, which take minutes, so they are
+  checked but not run. The convention is strict: every command in a slow block must be an
+  ``rlgraph run`` (nothing else may hide there), and every ``rlgraph run`` other than
+  ``rlgraph run --help`` must be in a slow block. A slow command's options and overrides must
+  parse (``rlgraph run``'s own parser, which starts nothing), and its target must pass
+  ``rlgraph validate`` with those overrides (or, for a plan file, load with ``rlgraph
+  describe``), in document order like the other commands. No ```` ```text output ```` block
+  may follow a slow block: what a training run prints cannot be checked, so show it as a plain
+  ```` ```text ```` block.
 - a ```` ```text output ```` block is (an excerpt of) what the preceding bash block's commands
   print (stdout then stderr), or what the runnable python block right before it prints: its
   lines must appear in that output in the same order (trailing blanks ignored; a line ``...``
   marks lines left out).
 
-Besides, every check code the compiler can report is listed in dsl.md, every option of the
-front-half commands appears in cli.md, and dsl.md's table of built-in stages matches
-`rlgraph.ops.stages`.
+Besides, every check code the compiler can report is listed in dsl.md, every option of every
+command (``rlgraph run`` included) appears in cli.md, dsl.md's table of built-in stages matches
+`rlgraph.ops.stages`, and operators.md lists every config key of the built-in stages.
 """
 
 from __future__ import annotations
@@ -39,12 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PYTHON_DOCS = ("quickstart.md", "dsl.md", "cli.md")
 SHELL_DOCS = ("quickstart.md", "cli.md")
-FRONT_COMMANDS = ("compile", "validate", "viz", "describe")  # `rlgraph run` is in docs/runtime.md
+SLOW_COMMANDS = ("run",)  # commands that take minutes: only in ```bash slow blocks, never run here
 
 _FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\s*$")
 _EXITS = re.compile(r"#\s*exits\s+(\d+)\s*$")
 _SHELL_META = set("|<>;&$`")
-_KNOWN_INFO = {"python": {"", "runnable"}, "text": {"", "output"}, "bash": {""}, "": {""}}
+_KNOWN_INFO = {"python": {"", "runnable"}, "text": {"", "output"}, "bash": {"", "slow"}, "": {""}}
 
 
 @dataclass(frozen=True)
@@ -148,8 +157,9 @@ class _Command:
     output: tuple[str, ...] = ()
 
 
-def _command(where: str, line: str) -> _Command | None:
-    """The documented command on `line`, or None if it is not an rlgraph command."""
+def _command(where: str, line: str, slow: bool = False) -> _Command | None:
+    """The documented command on `line`, or None if it is not an rlgraph command. In a slow
+    block, the command that checks it instead of running it (see the module docstring)."""
     text = line.strip()
     if not (text.startswith("rlgraph ") or text.startswith(".venv/bin/rlgraph ")):
         return None
@@ -157,8 +167,38 @@ def _command(where: str, line: str) -> _Command | None:
     meta = [a for a in argv if _SHELL_META & set(a)]
     assert not meta, f"{where}: shell syntax {meta} is not supported in a documented command"
     m = _EXITS.search(text)
+    is_slow = len(argv) > 1 and argv[1] in SLOW_COMMANDS and not {"-h", "--help"} & set(argv)
+    if is_slow != slow:
+        raise AssertionError(
+            f"{where}: `{text}` takes minutes: put it in a ```bash slow block, which the doc tests check "
+            f"but do not run" if is_slow else
+            f"{where}: only `rlgraph {'/'.join(SLOW_COMMANDS)}` commands may be in a ```bash slow block; "
+            f"move `{text}` to a ```bash block, where it is run")
+    if slow:
+        assert not m, f"{where}: a slow command is not run, so `# exits N` cannot be checked"
+        return _slow_check(where, text, argv)
     writes = next((b for a, b in zip(argv, argv[1:]) if a in ("-o", "--output")), None)
     return _Command(where, text, [_rlgraph(), *argv[1:]], int(m.group(1)) if m else 0, writes)
+
+
+def _slow_check(where: str, text: str, argv: list[str]) -> _Command:
+    """`rlgraph run TARGET ... KEY=VALUE...`, checked without running: its options must parse
+    (click's parser starts nothing), then `validate TARGET KEY=VALUE...` (or `describe PLAN`)
+    must exit 0."""
+    import click
+
+    from rlgraph.cli import cli
+
+    command = cli.commands[argv[1]]
+    try:
+        params = command.make_context(argv[1], argv[2:]).params
+    except click.exceptions.Exit:
+        raise AssertionError(f"{where}: `{text}` only prints help; put it in a ```bash block") from None
+    except click.ClickException as e:
+        raise AssertionError(f"{where}: `{text}` does not parse: {e.format_message()}") from None
+    target, overrides = params["target"], list(params["overrides"])
+    check = ["describe" if target.endswith(".json") else "validate", target, *overrides]
+    return _Command(where, f"{text}  (checked as `rlgraph {' '.join(check)}`)", [_rlgraph(), *check], 0, None)
 
 
 def _conflict(c: _Command, wave: list[_Command]) -> bool:
@@ -215,11 +255,17 @@ def test_shell_commands(doc: str, tmp_path):
     previous: Block | None = None
     for b in blocks(doc):
         if b.lang == "bash":
-            cmds = [_command(f"docs/{doc}:{b.line + k}", line) for k, line in enumerate(b.text.splitlines())]
-            steps.append(([c for c in cmds if c is not None], None))
+            slow = b.info == "slow"
+            cmds = [_command(f"docs/{doc}:{b.line + k}", line, slow) for k, line in enumerate(b.text.splitlines())]
+            cmds = [c for c in cmds if c is not None]
+            assert cmds or not slow, f"{_where(b)}: a ```bash slow block without an rlgraph command"
+            steps.append((cmds, None))
         elif b.lang == "text" and b.info == "output" and not (previous and previous.lang == "python"):
             assert previous is not None and previous.lang == "bash", (
                 f"{_where(b)}: an output block must follow a bash block or a runnable python block")
+            assert previous.info != "slow", (
+                f"{_where(b)}: the commands of a ```bash slow block are not run, so their output cannot be "
+                f"checked; show it in a plain ```text block")
             steps[-1] = (steps[-1][0], b)
         previous = b
     commands = [c for cmds, _ in steps for c in cmds]
@@ -261,7 +307,8 @@ def test_every_cli_option_is_documented():
     from rlgraph.cli import cli
 
     text = (DOCS / "cli.md").read_text()
-    for name in FRONT_COMMANDS:
+    assert cli.commands, "rlgraph has no commands"
+    for name in sorted(cli.commands):
         assert f"## `rlgraph {name}`" in text, f"docs/cli.md has no section for rlgraph {name}"
         for param in cli.commands[name].params:
             for opt in [*param.opts, *param.secondary_opts]:
@@ -296,16 +343,13 @@ def _anchor(heading: str) -> str:
 
 
 def test_links_between_docs_resolve():
-    """Relative links of the user docs point at files that exist, and at headings that exist.
-    (docs/runtime.md is written alongside the runtime; a link to it is checked once it exists.)"""
+    """Relative links of the user docs point at files that exist, and at headings that exist."""
     for doc in PYTHON_DOCS:
         text = (DOCS / doc).read_text()
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
             if target.startswith(("http://", "https://")):
                 continue
             path = (DOCS / target).resolve() if target else DOCS / doc
-            if target == "runtime.md" and not path.exists():
-                continue
             assert path.exists(), f"docs/{doc} links to {target!r}, which does not exist"
             if anchor and path.suffix == ".md":
                 prose = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
