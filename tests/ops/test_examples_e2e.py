@@ -69,3 +69,17 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     assert changed, "no weight changed"
     lines = (tmp_path / "stream" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1]
+
+
+def test_data_parallel_actor_keeps_replicas_identical(model_dir, tq_plane, tmp_path):
+    # actor dp=2: two Ray actors in one process group (DDP over gloo); after the update both
+    # ranks must hold the same weights, and they must differ from the warm start
+    plan = _plan("grpo", model_dir, "groups.actor.dp=2", "trainer.save_every=1")
+    (rec,) = run_plan(plan, RunOptions(out_dir=tmp_path, steps=1, timeout_s=300), plane=tq_plane)
+    assert math.isfinite(rec["update_actor/actor_metrics/loss"])
+    ckpt = tmp_path / "checkpoints" / "step_0"
+    (rank0,) = load_state(ckpt, "actor_0")["instances"].values()
+    (rank1,) = load_state(ckpt, "actor_1")["instances"].values()
+    assert all(torch.equal(v, rank1["model"][k]) for k, v in rank0["model"].items())
+    before = load_file(str(Path(model_dir) / "model.safetensors"))
+    assert any(not torch.equal(v, before[k]) for k, v in rank0["model"].items() if k in before)
