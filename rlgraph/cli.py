@@ -222,8 +222,9 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         address: str | None, resume: bool, dataplane: str | None, timeout_s: float) -> None:
     """Run a plan (or compile and run a pipeline) on Ray.
 
-    Writes DIR/metrics.jsonl (one JSON object per step), DIR/trace.json (open in Perfetto) and
-    DIR/timeline.svg (op calls per worker against time), plus plan.json and pipeline.svg.
+    Writes DIR/metrics.jsonl (one JSON object per step), DIR/reward_curve.svg, DIR/trace.json
+    (open in Perfetto) and DIR/timeline.svg (op calls per worker against time), plus plan.json
+    and pipeline.svg.
     """
     from rlgraph.runtime.progress import make_reporter
     from rlgraph.runtime.runner import RunOptions, run_plan
@@ -243,7 +244,7 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         click.echo("interrupted: Ray and the data plane were shut down", err=True)
         sys.exit(130)
     click.echo(f"ran {len(records)} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
-               f"{out / 'trace.json'}, {out / 'timeline.svg'}")
+               f"{out / 'reward_curve.svg'}, {out / 'trace.json'}, {out / 'timeline.svg'}")
 
 
 def main() -> None:

@@ -66,8 +66,9 @@ def _batching(b: OpBatching, granularity: str = "sample") -> str:
     lo, hi = b.rank_mini_batch or [b.mini_batch_samples, b.mini_batch_samples]
     share = f"{lo}" if lo == hi else f"{lo}-{hi}"
     epochs = f"{b.epochs} epoch{'s' if b.epochs != 1 else ''}"
-    return (f"{b.mini_batches} mini-batches of {b.mini_batch_samples} x {epochs} = {b.updates_per_step} "
-            f"updates; per rank {share}{micro}")
+    minis = f"{b.mini_batches} mini-batch{'es' if b.mini_batches != 1 else ''}"
+    updates = f"{b.updates_per_step} update{'s' if b.updates_per_step != 1 else ''}"
+    return f"{minis} of {b.mini_batch_samples} x {epochs} = {updates}; per rank {share}{micro}"
 
 
 def _mode(o: OpPlan) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rlgraph.ops.algos import entropy_from_logits, kl_loss, logprobs_from_logits, policy_loss
+from rlgraph.ops.algos import agg_loss, entropy_from_logits, kl_loss, logprobs_from_logits, policy_loss
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout import generate_hf
 from rlgraph.ops.sequences import pack, response_logits, split_rows
@@ -130,19 +130,20 @@ class ActorWorker(TrainerMixin):
                              clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, agg_mode=loss_agg_mode,
                              global_tokens=global_tokens, global_seqs=global_seqs)
             loss = pg.loss
-            metrics = {"pg_loss": float(pg.loss.detach()), "pg_clipfrac": float(pg.clipfrac),
-                       "ppo_kl": float(pg.approx_kl)}
+            # metrics as local means: the engine averages them over micro-batches (the loss itself is
+            # normalised by the global token count, so it sums instead)
+            metrics = {"pg_loss": float(agg_loss(pg.pg_losses.detach(), m, loss_agg_mode)),
+                       "pg_clipfrac": float(pg.clipfrac), "ppo_kl": float(pg.approx_kl)}
             if entropy_coeff:
-                from rlgraph.ops.algos import agg_loss
-
-                ent = agg_loss(entropy_from_logits(logits), m, loss_agg_mode, global_tokens, global_seqs)
-                loss = loss - entropy_coeff * ent
-                metrics["entropy"] = float(ent.detach())
+                ent_mat = entropy_from_logits(logits)
+                loss = loss - entropy_coeff * agg_loss(ent_mat, m, loss_agg_mode, global_tokens, global_seqs)
+                metrics["entropy"] = float(agg_loss(ent_mat.detach(), m, loss_agg_mode))
             if use_kl_loss:
                 kl = kl_loss(logp, mb["ref_log_prob"], m, kl_loss_type, loss_agg_mode,
                              global_tokens=global_tokens, global_seqs=global_seqs)
                 loss = loss + kl_loss_coef * kl
-                metrics["kl_loss"] = float(kl.detach())
+                metrics["kl_loss"] = float(kl_loss(logp.detach(), mb["ref_log_prob"], m, kl_loss_type,
+                                                   loss_agg_mode))
             return loss, metrics
 
         metrics = self.train(self.model, batch, loss_fn, ctx, section(ctx, "rollout").get("n", 1), **train)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rlgraph.ops.algos import value_loss
+from rlgraph.ops.algos import agg_loss, value_loss
 from rlgraph.ops.models import load_critic, load_tokenizer
 from rlgraph.ops.sequences import pack, split_rows
 from rlgraph.ops.training import TrainerMixin, section
@@ -62,7 +62,8 @@ class CriticWorker(TrainerMixin):
             v = _values(model, mb["input_ids"], mb["attention_mask"], mb["position_ids"], P, R)
             res = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], cliprange_value=cliprange_value,
                              agg_mode=loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
-            return res.loss, {"vf_loss": float(res.loss.detach()), "vf_clipfrac": float(res.vf_clipfrac)}
+            local = agg_loss(res.vf_losses.detach(), mb["response_mask"], loss_agg_mode)  # a local mean (see actor)
+            return res.loss, {"vf_loss": float(local), "vf_clipfrac": float(res.vf_clipfrac)}
 
         metrics = self.train(self.model, batch, loss_fn, ctx, section(ctx, "rollout").get("n", 1), **train)
         self.model.eval()

@@ -83,7 +83,7 @@ def read_table_rows(path: str | Path, reader: str = "auto") -> list[dict[str, An
     ``auto`` checks first, and a Ray read still unfinished after `RAY_READ_TIMEOUT_S` falls
     back to the local reader with a warning instead of hanging.
     """
-    p = Path(path)
+    p = Path(path).expanduser()
     if not p.is_file():
         raise PromptDataError(f"prompt file {str(p)!r} does not exist; give a parquet or JSONL file in verl's "
                               f"layout (write one with rlgraph.ops.tasks.write_task)")

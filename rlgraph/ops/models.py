@@ -135,7 +135,7 @@ def build_tiny_model(
 
 
 def _check_dir(path: str | Path, what: str, needs: tuple[str, ...]) -> Path:
-    p = Path(path)
+    p = Path(path).expanduser()  # config paths such as ~/.cache/rlgraph/models/... are common
     if not p.exists():
         raise ModelLoadError(f"{what} path {str(p)!r} does not exist; build one with "
                              f"rlgraph.ops.models.build_tiny_model({str(p)!r}) or give a local HF directory")

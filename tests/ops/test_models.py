@@ -165,3 +165,14 @@ def test_sft_warmstart_rejects_empty_input(tiny):
         models.sft_warmstart(tiny, [], steps=1)
     with pytest.raises(ValueError, match="steps=0"):
         models.sft_warmstart(tiny, [(USER, "7")], steps=0)
+
+
+def test_model_paths_may_start_with_a_tilde(tmp_path, monkeypatch):
+    # config paths such as ~/.cache/rlgraph/models/... must load (the examples' defaults use one)
+    from rlgraph.ops.models import build_tiny_model, load_causal_lm, load_critic, load_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    build_tiny_model(tmp_path / "models" / "m", hidden_size=16, num_layers=1, num_heads=2)
+    assert load_tokenizer("~/models/m").eos_token_id is not None
+    assert load_causal_lm("~/models/m").config.hidden_size == 16
+    assert load_critic("~/models/m").config.num_labels == 1
