@@ -13,7 +13,6 @@ generation-only group, ``ref.model_path`` for the reference, defaulting to the a
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, Mapping
 
 import torch
@@ -43,7 +42,9 @@ class ActorWorker(TrainerMixin):
         self.model = load_causal_lm(self.model_path)
         self.model.eval()
         self.ref_model = None
-        self.id = uuid.uuid4().hex  # tells our own weights from another group's
+        # weights made by any rank of this group are ours: DDP keeps the replicas identical, so
+        # only a generation-only group (another name) loads policy_weights
+        self.id = ctx.group
         self.version = -1
         self.init_trainer(ctx)
 

@@ -102,8 +102,11 @@ class GroupWorker:
         if put and rows:
             self.client.put(partition, rows, put)
         real = [i for i, p in enumerate(is_padding) if not p]
-        summaries = {c: [_row_sums(out[c])[i] for i in real] if real else []
-                     for c in SUMMARIES if c in out}
+        summaries = {}
+        for c in SUMMARIES:
+            if c in out:
+                sums = _row_sums(out[c]) if real else []
+                summaries[c] = [sums[i] for i in real]
         result = CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
                       start=start, end=time.time()),
