@@ -30,7 +30,7 @@ from rlgraph.graph.plan import ColumnPlan, OpPlan, Plan
 
 __all__ = ["OpContext", "OpError", "stable_seed", "resolve_impl", "to_call_value", "check_outputs", "Invoker"]
 
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
     "float64": torch.float64, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
     "bool": torch.bool,
@@ -104,10 +104,10 @@ def to_call_value(col: ColumnPlan, values: Any) -> Any:
         return values
     rows = [torch.as_tensor(v) for v in values]
     if not rows:
-        return torch.empty((0,), dtype=_TORCH_DTYPES[col.dtype])
+        return torch.empty((0,), dtype=TORCH_DTYPES[col.dtype])
     if any(isinstance(d, str) for d in col.shape):
-        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(_TORCH_DTYPES[col.dtype])
-    return torch.stack(rows).to(_TORCH_DTYPES[col.dtype])
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(TORCH_DTYPES[col.dtype])
+    return torch.stack(rows).to(TORCH_DTYPES[col.dtype])
 
 
 def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> dict[str, list[int]]:
@@ -164,9 +164,9 @@ def check_outputs(plan: Plan, op: OpPlan, result: Any, n_rows: int,
             axis = ragged[0][0]
             value = [value[i].narrow(axis, 0, min(lens[i], value.shape[axis + 1])) for i in range(n_rows)]
         if isinstance(value, torch.Tensor):
-            out[name] = value.to(_TORCH_DTYPES[col.dtype])
+            out[name] = value.to(TORCH_DTYPES[col.dtype])
         else:
-            out[name] = [torch.as_tensor(v).to(_TORCH_DTYPES[col.dtype]) for v in value]
+            out[name] = [torch.as_tensor(v).to(TORCH_DTYPES[col.dtype]) for v in value]
     return out
 
 

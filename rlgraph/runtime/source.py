@@ -22,12 +22,9 @@ import torch
 
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.plan import ColumnPlan, Plan
+from rlgraph.runtime.invoke import TORCH_DTYPES, resolve_impl
 
 __all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad", "source_columns"]
-
-_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
-          "bool": torch.bool}
 
 
 class SourceError(RLGraphError):
@@ -60,7 +57,7 @@ def padding_value(col: ColumnPlan) -> Any:
     if col.dtype in ("json", "opaque"):
         return {}
     shape = [1 if isinstance(d, str) else d for d in col.shape]
-    return torch.zeros(shape, dtype=_TORCH[col.dtype])
+    return torch.zeros(shape, dtype=TORCH_DTYPES[col.dtype])
 
 
 def expand_and_pad(batch: Mapping[str, list[Any]], columns: Mapping[str, ColumnPlan], n: int,
@@ -99,8 +96,6 @@ class SourceWorker:
     """
 
     def __init__(self, plan_json: str, handle: Any) -> None:
-        from rlgraph.runtime.invoke import resolve_impl
-
         self.plan = Plan.model_validate_json(plan_json)
         if not self.plan.source_impl:
             raise SourceError(f"the plan's data source {self.plan.source!r} has no implementation (impl); give "
