@@ -14,7 +14,9 @@ config. Exit status: 0 success; 1 a problem with the pipeline, its config or a p
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -45,12 +47,56 @@ class _UserError(click.ClickException):
     exit_code = 1
 
 
+# the last "rlgraph.<module>.<Class>: message" in a Ray error's text (a traceback ends with it)
+_REMOTE_ERROR = re.compile(r"^(rlgraph(?:\.\w+)+)\.(\w+): ", re.MULTILINE)
+_ACTOR_INIT = re.compile(r"ray::(\w+)\.__init__\(\)")
+
+
+def _is_rlgraph_error(module: str, name: str) -> bool:
+    try:  # only rlgraph's own modules are imported, to look the class up
+        cls = getattr(importlib.import_module(module), name, None)
+    except Exception:
+        return False
+    return isinstance(cls, type) and issubclass(cls, RLGraphError)
+
+
+def _user_message(e: BaseException) -> str | None:
+    """The message to print for an error a user can fix, or None for anything else (a bug: traceback).
+
+    An `RLGraphError`, also one raised inside a Ray actor: Ray wraps it in a `RayTaskError` (whose
+    `cause` is the original), or, when it was raised in an actor's constructor, in an
+    `ActorDiedError` that keeps only the text, from which the typed error's message is taken.
+    """
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, RLGraphError):  # RayTaskError (also its subclass mixed with the cause's type)
+        return str(cause)
+    if isinstance(e, RLGraphError):
+        return str(e)
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return None
+    if isinstance(e, RayActorError) and getattr(e, "_actor_init_failed", False):
+        text = getattr(e, "error_msg", "") or str(e)
+        found = [m for m in _REMOTE_ERROR.finditer(text) if _is_rlgraph_error(m.group(1), m.group(2))]
+        if found:
+            actor = _ACTOR_INIT.search(text)
+            where = f"{actor.group(1)} failed to start: " if actor else "a Ray actor failed to start: "
+            return where + text[found[-1].end():].strip()
+    return None
+
+
 class _Cli(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except RLGraphError as e:
-            raise _UserError(str(e)) from None
+        except Exception as e:  # click's own exceptions and bugs pass through unchanged
+            if isinstance(e, click.ClickException) or isinstance(e, click.exceptions.Exit):
+                raise
+            message = _user_message(e)
+            if message is None:
+                raise
+            raise _UserError(message) from None
 
 
 def _compile(pipeline_ref: str, overrides: tuple[str, ...]) -> Plan:

@@ -9,6 +9,7 @@ wrong types are reported as problems that name the key, the expected type and cl
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -61,6 +62,8 @@ class Param:
             ok = isinstance(value, self.type)
         if not ok:
             return f"expected {self.type_name}, got {type(value).__name__} {value!r}"
+        if self.type is float and not math.isfinite(value):
+            return f"expected a finite {self.type_name}, got {value!r}"
         if self.choices is not None and value not in self.choices:
             return f"{value!r} is not one of {', '.join(repr(c) for c in self.choices)}"
         if self.minimum is not None and value < self.minimum:
@@ -85,9 +88,12 @@ class Param:
                 raise ValueError(f"expected an int, got {text!r}") from None
         if self.type is float:
             try:
-                return float(t)
+                value = float(t)
             except ValueError:
                 raise ValueError(f"expected a float, got {text!r}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"expected a finite float, got {text!r}")
+            return value
         return text
 
 
@@ -97,7 +103,14 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     Raises `ConfigError` for an item without ``=`` or with an empty key.
     """
     out: dict[str, str] = {}
+    if isinstance(items, str):  # a lone "a=1" would otherwise be split into characters
+        items = [items]
     for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(
+                f"config override {item!r} ({type(item).__name__}) is not a 'key=value' string; "
+                f"write e.g. 'actor.lr=1e-6' (or pass typed values in a dict to compile_pipeline)"
+            )
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:

@@ -226,30 +226,62 @@ class Plan(_Frozen):
         return path
 
 
+def _what_it_is(raw: Any) -> str:
+    """A few words on what a JSON document that is not a plan looks like, for the error message."""
+    if not isinstance(raw, dict):
+        return f"it holds a JSON {type(raw).__name__}, not an object"
+    fmt = raw.get("format")
+    if isinstance(fmt, str) and fmt.startswith("rlgraph.checkpoint"):
+        return "it is a checkpoint's meta.json"
+    if fmt is not None:
+        return f"its format is {fmt!r}"
+    keys = sorted(str(k) for k in raw)
+    shown = ", ".join(repr(k) for k in keys[:6]) + (", ..." if len(keys) > 6 else "")
+    return f"it has no \"format\" key; its keys are {shown}" if keys else "it is an empty JSON object"
+
+
 def load_plan(path: str | Path) -> Plan:
-    """Read and validate a plan file; raises `PlanError` saying what is wrong and what to do."""
+    """Read and validate a plan file; raises `PlanError` saying what is wrong and what to do.
+
+    Only JSON is parsed (no pickles, no code): the file must be UTF-8 JSON with
+    ``"format": "rlgraph.plan"`` and ``"version"`` equal to `PLAN_VERSION`, and match the schema.
+    """
     path = Path(path)
+    recompile = "recompile it with `rlgraph compile PIPELINE -o DIR`"
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror}") from None
     try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(
+            f"{str(path)!r} is not a text file (byte {e.start} is not UTF-8), so not a plan.json; "
+            f"pass the plan.json written by `rlgraph compile`, or {recompile}"
+        ) from None
+    try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
+        what = " (the file is empty)" if not text.strip() else ""
         raise PlanError(
-            f"{str(path)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            f"recompile it with `rlgraph compile PIPELINE -o DIR`"
+            f"{str(path)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}){what}; "
+            f"{recompile}"
         ) from None
+    except RecursionError:
+        raise PlanError(f"{str(path)!r} nests JSON too deeply to be a plan; {recompile}") from None
     if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
         raise PlanError(
             f"{str(path)!r} is not an rlgraph plan (no \"format\": \"{PLAN_FORMAT}\"); "
-            f"pass a plan.json written by `rlgraph compile`"
+            f"pass a plan.json written by `rlgraph compile` ({_what_it_is(raw)})"
         )
     version = raw.get("version")
-    if version != PLAN_VERSION:
+    if version != PLAN_VERSION or isinstance(version, bool):
+        written_by = raw.get("rlgraph_version")
+        by = f" (the file was written by rlgraph {written_by})" if isinstance(written_by, str) else ""
+        what = "has no plan format version" if version is None else f"is plan format version {version!r}"
         raise PlanError(
-            f"{str(path)!r} is plan format version {version!r}, but this rlgraph reads version "
-            f"{PLAN_VERSION}; recompile the pipeline with this rlgraph (`rlgraph compile PIPELINE -o DIR`)"
+            f"{str(path)!r} {what}, but this rlgraph reads version {PLAN_VERSION}; recompile the pipeline "
+            f"with this rlgraph (`rlgraph compile PIPELINE -o DIR`){by}"
         )
     try:
         return Plan.model_validate(raw)

@@ -176,11 +176,18 @@ def _messages(prompt: Any) -> list[dict[str, str]] | str:
     out = []
     for j, m in enumerate(prompt):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            return f"message {j} of 'prompt' is {m!r}; each message needs a string 'role' and 'content'"
+            return f"message {j} of 'prompt' is {_short(m)}; each message needs a string 'role' and 'content'"
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["content"].strip() for m in out):
-        return "empty prompt (no message has any content); give the question as the user message's content"
+        what = "no messages" if not out else "no message has any content"
+        return f"empty prompt ({what}); give the question as the user message's content"
     return out
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """`repr` of a value from a data file, cut to `limit` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _ground_truth(row: Mapping[str, Any]) -> str | None:
@@ -252,6 +259,11 @@ class PromptSource:
         checked: list[tuple[int, list[dict[str, str]], str, str, dict]] = []
         for i, row in enumerate(rows):
             missing = [k for k in ("prompt", "data_source") if row.get(k) is None]
+            rm = row.get("reward_model")
+            if rm is not None and not isinstance(rm, Mapping):
+                problems.append(f"row {i}: 'reward_model' is {_short(rm)}, not a dict; write "
+                                f"\"reward_model\": {{\"ground_truth\": ...}}")
+                continue
             gt = _ground_truth(row)
             if gt is None:
                 missing.append("reward_model.ground_truth")
@@ -272,12 +284,11 @@ class PromptSource:
         if problems:
             raise PromptDataError(_listing(f"{name}: {len(problems)} row(s) do not follow verl's layout "
                                            f"(prompt: chat messages, data_source, reward_model.ground_truth, "
-                                           f"optional extra_info)", problems))
+                                           f"optional extra_info); rows are counted from 0 in file order",
+                                           problems, "correct or remove these rows"))
         # one template call and one batched (Rust) encode for all rows: the same ids as
         # models.encode_prompt gives one row at a time, much faster for large files
-        texts = self.tokenizer.apply_chat_template([c[1] for c in checked], add_generation_prompt=True,
-                                                   tokenize=False)
-        encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        encoded = self._encode(checked, name)
         too_long: list[str] = []
         out: list[tuple] = []
         filtered = 0
@@ -301,6 +312,27 @@ class PromptSource:
             raise PromptTooLongError(f"{name}: all {len(rows)} prompts are longer than data.max_prompt_length="
                                      f"{self.max_prompt_length} tokens; raise data.max_prompt_length")
         return out
+
+    def _encode(self, checked: list[tuple], name: str) -> list[list[int]]:
+        """Token ids of every checked row: its messages through the chat template, then the tokenizer.
+        A failure (a template that rejects a role, a message order) names the first failing row."""
+        try:
+            texts = self.tokenizer.apply_chat_template([c[1] for c in checked], add_generation_prompt=True,
+                                                       tokenize=False)
+            return self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        except Exception as batch_error:  # the template raises jinja's or the tokenizer's own types
+            for i, messages, *_ in checked:  # find the row, one at a time (only on this error path)
+                try:
+                    text = self.tokenizer.apply_chat_template([messages], add_generation_prompt=True, tokenize=False)
+                    self.tokenizer(list(text), add_special_tokens=False)
+                except Exception as e:
+                    raise PromptDataError(
+                        f"{name}: row {i}: the tokenizer cannot encode its prompt {_short(messages)} "
+                        f"({type(e).__name__}: {e})\nfix: give messages the chat template accepts (roles such as "
+                        f"'system', 'user', 'assistant'), or set data.tokenizer to a tokenizer with a suitable "
+                        f"chat template") from None
+            raise PromptDataError(f"{name}: the tokenizer cannot encode the prompts ({type(batch_error).__name__}: "
+                                  f"{batch_error})\nfix: check data.tokenizer and its chat template") from None
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self._rows)))
@@ -344,7 +376,13 @@ class PromptSource:
         return {"epoch": self.epoch, "offset": self.offset, "val_offset": self.val_offset}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        epoch, offset = int(state["epoch"]), int(state["offset"])
+        try:
+            epoch, offset = int(state["epoch"]), int(state["offset"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PromptDataError(f"the prompt source's saved position {_short(state)} is not "
+                                  f"{{'epoch': int, 'offset': int, 'val_offset': int}} ({type(e).__name__}: {e}); the "
+                                  f"checkpoint is damaged or from another data source: resume from another "
+                                  f"checkpoint, or start without --resume") from None
         if epoch < 0 or not 0 <= offset <= len(self._rows):
             raise PromptDataError(f"cannot resume the prompt source at epoch={epoch}, offset={offset}: this data "
                                   f"has {len(self._rows)} prompts per epoch; resume with the same data.path")

@@ -6,8 +6,14 @@ each tensor goes into one safetensors file under a path key, the rest into a JSO
 that refers to those keys. Loading never unpickles anything, so a checkpoint from elsewhere
 cannot run code.
 
-Layout: ``DIR/checkpoints/step_<k>/`` holding ``meta.json`` (step, source position, format) and
-one ``<name>.json`` + ``<name>.safetensors`` pair per state.
+Layout: ``DIR/checkpoints/step_<k>/`` holding ``meta.json`` (format, step, pipeline) and one
+``<name>.json`` + ``<name>.safetensors`` pair per state. A checkpoint is complete when its
+``meta.json`` exists (it is written last, then the folder is renamed into place).
+
+Every load path here reads only JSON (`json.loads`) and safetensors (`safetensors.torch.load_file`,
+which parses a JSON header and raw tensor bytes); nothing calls `pickle`, `torch.load` or Ray's
+deserialiser on a file. A damaged file, or one from another checkpoint format, raises
+`CheckpointError` naming the file and what to do.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from rlgraph.errors import RLGraphError
 
-__all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "CHECKPOINT_FORMAT"]
+__all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "rlgraph.checkpoint.v1"
 _TENSOR = "__tensor__"
@@ -58,7 +64,7 @@ def _split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
 def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if _TENSOR in obj:
-            return tensors[obj[_TENSOR]]
+            return tensors[obj[_TENSOR]]  # a missing key: KeyError, reported by load_state
         if "__dict__" in obj:
             return {k: _join(v, tensors) for k, v in obj["__dict__"].items()}
         if "__intdict__" in obj:
@@ -87,20 +93,73 @@ def save_state(state: Any, directory: Path, name: str) -> None:
     (directory / f"{name}.json").write_text(json.dumps(skeleton, sort_keys=True))
 
 
+def _read_json(path: Path, fix: str) -> Any:
+    """The JSON document in `path` (never anything but JSON); `CheckpointError` if it is not one."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: {e.strerror}; {fix}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is not valid JSON ({type(e).__name__}: {e}); "
+                              f"it is damaged or not an rlgraph checkpoint; {fix}") from None
+
+
 def load_state(directory: Path, name: str) -> Any:
-    """Read a state written by `save_state`."""
+    """Read a state written by `save_state`: JSON and safetensors only, never a pickle."""
+    directory = Path(directory)
+    fix = f"delete {str(directory)!r} to resume from an earlier checkpoint, or run without --resume"
     js = directory / f"{name}.json"
     if not js.is_file():
-        raise CheckpointError(f"checkpoint {str(directory)!r} has no state {name!r} ({js.name} is missing)")
+        raise CheckpointError(f"checkpoint {str(directory)!r} has no state {name!r} ({js.name} is missing); "
+                              f"it was written by another pipeline or plan, or is incomplete; {fix}")
     st = directory / f"{name}.safetensors"
-    tensors = load_file(str(st)) if st.is_file() else {}
-    return _join(json.loads(js.read_text()), tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    if st.is_file():
+        try:
+            tensors = load_file(str(st))
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on bad files
+            raise CheckpointError(f"checkpoint file {str(st)!r} is not a valid safetensors file "
+                                  f"({type(e).__name__}: {e}); {fix}") from None
+    skeleton = _read_json(js, fix)
+    try:
+        return _join(skeleton, tensors)
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint state {str(js)!r} refers to tensor {e.args[0]!r}, which "
+                              f"{st.name} does not hold (the two files do not belong together); {fix}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint state {str(js)!r} is malformed ({type(e).__name__}: {e}); {fix}") from None
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    """The ``meta.json`` of checkpoint folder `ckpt`, checked: this format, a step number."""
+    ckpt = Path(ckpt)
+    fix = f"delete {str(ckpt)!r} to resume from an earlier checkpoint, or run without --resume"
+    meta = _read_json(ckpt / "meta.json", fix)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{str(ckpt / 'meta.json')!r} holds a JSON {type(meta).__name__}, not the checkpoint's "
+                              f"metadata object; {fix}")
+    fmt = meta.get("format")
+    if fmt != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"{str(ckpt / 'meta.json')!r} is checkpoint format {fmt!r}, but this rlgraph reads "
+            f"{CHECKPOINT_FORMAT!r}; resume it with the rlgraph that wrote it, or {fix.replace('delete', 'move away')}")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{str(ckpt / 'meta.json')!r} has no valid step number (\"step\": {step!r}); {fix}")
+    return meta
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest complete ``step_<k>`` checkpoint under ``out_dir/checkpoints`` (has meta.json)."""
-    root = out_dir / "checkpoints"
+    """The newest complete ``step_<k>`` checkpoint under ``out_dir/checkpoints`` (has meta.json).
+
+    Its ``meta.json`` is checked (`read_meta`), so a damaged checkpoint, or one from another
+    checkpoint format, fails with a `CheckpointError` before anything is restored from it.
+    """
+    root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return None
     done = [p for p in root.glob("step_*") if (p / "meta.json").is_file() and p.name[5:].isdigit()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    latest = max(done, key=lambda p: int(p.name[5:]), default=None)
+    if latest is not None:
+        read_meta(latest)
+    return latest

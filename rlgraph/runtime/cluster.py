@@ -1,6 +1,7 @@
 """Starting or joining Ray, and checking the cluster against the plan before any actor starts.
 
-With no address, Ray starts locally on 127.0.0.1 with the plan's node size as its logical CPUs
+With no address, a new Ray starts locally on 127.0.0.1 (``RAY_ADDRESS`` and clusters left by
+``ray start`` are ignored; only an explicit address joins one), with the plan's node size as its logical CPUs
 (CPU counts in a plan are logical, so a 2-core laptop can run a plan declared for 8 CPUs); with
 an address, the run joins that cluster. Either way, every resource the plan needs, the data
 plane's included, is compared with what the cluster has, and anything missing fails the run
@@ -83,14 +84,22 @@ def start_ray(plan: Plan, address: str | None = None) -> RayHandle:
             f"Ray has one node; pass --address of your cluster, or recompile with cluster.num_nodes=1"
         )
     force_loopback()
-    ray.init(
-        num_cpus=max(int(plan.cluster.cpus_per_node), 1),
-        num_gpus=_local_gpus(),
-        include_dashboard=False,
-        _node_ip_address=LOOPBACK,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    try:
+        ray.init(
+            # "local": always a new Ray of our own on 127.0.0.1; never join a cluster named by
+            # RAY_ADDRESS or left by `ray start` (only --address joins one)
+            address="local",
+            num_cpus=max(int(plan.cluster.cpus_per_node), 1),
+            num_gpus=_local_gpus(),
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+    except Exception as e:
+        raise ClusterError(f"cannot start a local Ray on {LOOPBACK}: {type(e).__name__}: {e}; check free disk space "
+                           f"in the Ray temp folder (/tmp/ray) and leftover Ray processes (`ray stop` ends "
+                           f"those you started), or join a running cluster with --address") from e
     return RayHandle(started_here=True, address=None)
 
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from rlgraph.runtime.checkpoint import CheckpointError, latest_checkpoint, load_state, save_state
+from rlgraph.runtime.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, latest_checkpoint, load_state,
+                                        save_state)
 
 
 def test_round_trip_of_model_and_optimizer_state(tmp_path):
@@ -43,6 +44,6 @@ def test_latest_checkpoint_ignores_incomplete_ones(tmp_path):
     for k, complete in ((1, True), (3, True), (5, False)):
         (root / f"step_{k}").mkdir(parents=True)
         if complete:
-            (root / f"step_{k}" / "meta.json").write_text("{}")
+            (root / f"step_{k}" / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": k}))
     assert latest_checkpoint(tmp_path).name == "step_3"
     assert latest_checkpoint(tmp_path / "nothing") is None
