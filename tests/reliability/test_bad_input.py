@@ -143,7 +143,9 @@ def test_cli_run_with_bad_prompt_rows_exits_1_with_the_rows(tmp_path):
     rows = [GOOD_ROW] * 4 + [{**GOOD_ROW, "prompt": []}, {"data_source": "add", "reward_model": {}}]
     path = _jsonl(tmp_path / "bad.jsonl", rows)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    res = subprocess.run([RLGRAPH, "run", GRPO, "-o", str(tmp_path / "run"), "--steps", "1", f"data.path={path}",
+    # the example (its prepare hook builds the tiny model), so the workers start and the source's error shows
+    res = subprocess.run([RLGRAPH, "run", str(ROOT / "examples" / "grpo.py"), "-o", str(tmp_path / "run"),
+                          "--steps", "1", f"data.path={path}",
                           "--dataplane", "ray"], env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 1, res.stdout + res.stderr
     err = res.stderr[res.stderr.rindex("Error: "):]
