@@ -1,0 +1,319 @@
+"""A simulated cluster: ops that hold their worker (one simulated GPU) for a modelled time.
+
+The pipeline has GRPO's shape (generate -> reward, old_logprob, ref -> advantage per group ->
+update barrier) on disjoint resource pools. Each sample's response length is drawn from a
+log-normal (long-tailed, as in real generation), seeded by (trainer.seed, step, row), so the
+`stream` and `sync` schedules and the driver's lower bound all see the same draws. A call then
+sleeps for the time the cost model gives its rows:
+
+- generate (per group, `micro_batch_size` prompts per call): decoding a batch lasts as long as
+  its longest response: ``gen_prefill_s + gen_token_s * max(length)``;
+- reward, old_logprob, ref (per sample): a forward pass over the call's tokens:
+  ``fwd_call_s + fwd_token_s * sum(length)`` (ref and the reward model cost the same);
+- advantage (per group): ``adv_call_s``;
+- update (barrier, split over the train pool's ranks): ``upd_token_s * sum(length of the shard)``.
+
+Every time is multiplied by ``time_scale``. Sleeping uses no CPU, so one 2-core machine stands in
+for a cluster; Ray gets many logical CPUs and each worker is one slot of its pool.
+
+`lower_bound` computes, from the same draws and the plan's fixed chunks, the critical path and
+a per-pool bound (earliest start + load / slots + shortest remaining path, over subsets of the
+pool's calls); no schedule on these pools can beat their maximum. `simulate` replays the
+runtime's dispatch policy (ops in plan order, chunks in row order, lowest idle rank; `sync`
+opens a stage when the previous ones finished) with zero overhead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rlgraph import Cluster, DataSource, Pipeline, T, WorkerGroup, op
+from rlgraph.runtime.invoke import stable_seed
+
+R = "response_len"
+
+
+# --------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class Cost:
+    median_len: int = 256
+    sigma: float = 0.75  # log-normal sigma of response lengths: the tail's heaviness
+    max_len: int = 4096
+    gen_prefill_s: float = 0.02
+    gen_token_s: float = 0.0008  # one decode step of a micro-batch
+    fwd_call_s: float = 0.005
+    fwd_token_s: float = 0.00004  # forward (prefill) per token: 20x cheaper than a decode step
+    adv_call_s: float = 0.002
+    upd_token_s: float = 0.00012  # forward + backward per token, per rank
+    time_scale: float = 1.0
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def response_length(seed: int, step: int, row: int, median_len: int, sigma: float, max_len: int) -> int:
+    """The simulated response length of `row` at `step` (the same in every process)."""
+    g = torch.Generator().manual_seed(stable_seed("sim-len", seed, step, row))
+    z = float(torch.randn((), generator=g))
+    return int(min(max_len, max(1, round(median_len * math.exp(sigma * z)))))
+
+
+def lengths_for(seed: int, step: int, rows: Sequence[int], is_padding: Sequence[bool], c: Cost) -> list[int]:
+    return [1 if pad else response_length(seed, step, r, c.median_len, c.sigma, c.max_len)
+            for r, pad in zip(rows, is_padding)]
+
+
+def op_seconds(name: str, lengths: Sequence[int], c: Cost) -> float:
+    """Modelled duration of a call of op `name` on rows of these lengths (one rank's share)."""
+    if not lengths:
+        return 0.0
+    if name == "generate":
+        t = c.gen_prefill_s + c.gen_token_s * max(lengths)
+    elif name in ("reward", "old_logprob", "ref"):
+        t = c.fwd_call_s + c.fwd_token_s * sum(lengths)
+    elif name == "advantage":
+        t = c.adv_call_s
+    elif name == "update":
+        t = c.upd_token_s * sum(lengths)
+    else:
+        raise KeyError(name)
+    return t * c.time_scale
+
+
+def _cost(config: dict) -> Cost:
+    return Cost(**{k: type(getattr(Cost, k))(v) for k, v in config.get("generate", {}).items()
+                   if k in Cost.__dataclass_fields__})
+
+
+def _sleep_for(name: str, ctx: Any, lengths: Sequence[int]) -> float:
+    t = op_seconds(name, lengths, _cost(ctx.config))
+    time.sleep(t)
+    return t
+
+
+# --------------------------------------------------------------------------- source and ops
+class SimPrompts:
+    """Prompts of 8 tokens; their content does not matter to the cost model."""
+
+    def __init__(self, config: dict, seed: int) -> None:
+        self.seed = seed
+
+    def next_batch(self, batch_size: int) -> dict[str, list]:
+        return {"prompt_ids": [torch.arange(1, 9, dtype=torch.int64) + i for i in range(batch_size)]}
+
+
+source = DataSource(columns={"prompt_ids": T.int64("prompt_len")}, impl=SimPrompts)
+SIM = T.float32().metric()
+
+
+@op(outputs={"responses": T.int64(R), "gen_sim": SIM}, granularity="group", group="rollout",
+    group_size_param="n")
+def generate(prompt_ids: T.int64("prompt_len"), *, n: int = 4, micro_batch_size: int = 2,
+             median_len: int = 256, sigma: float = 0.75, max_len: int = 4096, gen_prefill_s: float = 0.02,
+             gen_token_s: float = 0.0008, fwd_call_s: float = 0.005, fwd_token_s: float = 0.00004,
+             adv_call_s: float = 0.002, upd_token_s: float = 0.00012, time_scale: float = 1.0, ctx=None):
+    """Responses of drawn lengths; sleeps as long as the longest (decoding a batch)."""
+    c = _cost(ctx.config)
+    lens = lengths_for(int(ctx.config["trainer"]["seed"]), ctx.step, ctx.rows, ctx.is_padding, c)
+    t = _sleep_for("generate", ctx, lens)
+    return {"responses": [torch.full((n_,), 7, dtype=torch.int64) for n_ in lens], "gen_sim": t}
+
+
+def _fwd(name: str, responses: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, float]:
+    lens = list(ctx.lengths.get(R, [responses.shape[1]] * responses.shape[0]))
+    t = _sleep_for(name, ctx, lens)
+    return torch.zeros(responses.shape, dtype=torch.float32), t
+
+
+@op(outputs={"token_level_scores": T.float32(R), "reward_sim": SIM}, group="reward")
+def reward(responses: T.int64(R), *, micro_batch_size: int = 8, ctx=None):
+    out, t = _fwd("reward", responses, ctx)
+    return {"token_level_scores": out, "reward_sim": t}
+
+
+@op(outputs={"old_log_probs": T.float32(R), "old_sim": SIM}, group="train")
+def old_logprob(responses: T.int64(R), *, micro_batch_size: int = 8, ctx=None):
+    out, t = _fwd("old_logprob", responses, ctx)
+    return {"old_log_probs": out, "old_sim": t}
+
+
+@op(outputs={"ref_log_prob": T.float32(R), "ref_sim": SIM}, group="ref")
+def ref(responses: T.int64(R), *, micro_batch_size: int = 8, ctx=None):
+    out, t = _fwd("ref", responses, ctx)
+    return {"ref_log_prob": out, "ref_sim": t}
+
+
+@op(outputs={"advantages": T.float32(R)}, granularity="group", group="cpu")
+def advantage(token_level_scores: T.float32(R), uid: T.int64(), *, micro_batch_size: int = 4, ctx=None):
+    _sleep_for("advantage", ctx, [1])
+    return {"advantages": token_level_scores}
+
+
+@op(outputs={"update_metrics": T.json().metric()}, granularity="batch", group="train")
+def update(responses: T.int64(R), old_log_probs: T.float32(R), ref_log_prob: T.float32(R),
+           advantages: T.float32(R), ctx=None):
+    lens = list(ctx.lengths.get(R, [responses.shape[1]] * responses.shape[0]))
+    t = _sleep_for("update", ctx, lens)
+    return {"update_metrics": {"sim_s": t}}
+
+
+OPS = [generate, reward, old_logprob, ref, advantage, update]
+
+
+def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_node: float = 64) -> Pipeline:
+    """GRPO-shaped simulated pipeline on `pools` disjoint GPU pools (2, 3 or 4) plus a CPU pool:
+
+    - 2: rollout | train (old_logprob, ref, reward model, update);
+    - 3: rollout | train (old_logprob, ref, update) | reward model;
+    - 4: rollout | train (old_logprob, update) | ref | reward model.
+    """
+    if pools not in (2, 3, 4):
+        raise ValueError("pools must be 2, 3 or 4")
+    ops = [generate, advantage, update, old_logprob]
+    ops.append(reward if pools >= 3 else _regroup(reward, "train"))
+    ops.append(ref if pools >= 4 else _regroup(ref, "train"))
+    ops = sorted(ops, key=lambda o: [f.__name__ for f in OPS].index(_name(o)))
+    groups = [WorkerGroup("rollout", dp=rollout_dp, num_cpus=0.1), WorkerGroup("train", dp=train_dp, num_cpus=0.1),
+              WorkerGroup("cpu", dp=1, num_cpus=0.1)]
+    if pools >= 3:
+        groups.append(WorkerGroup("reward", dp=1, num_cpus=0.1))
+    if pools >= 4:
+        groups.append(WorkerGroup("ref", dp=1, num_cpus=0.1))
+    return Pipeline(name=f"sim{pools}", source=source, ops=ops, groups=groups,
+                    cluster=Cluster(num_nodes=1, cpus_per_node=cpus_per_node, gpus_per_node=0),
+                    config={"data": {"batch_size": 16}})
+
+
+def _name(o: Any) -> str:
+    from rlgraph import OpSpec, op_spec
+
+    return o.name if isinstance(o, OpSpec) else op_spec(o).name
+
+
+def _regroup(fn: Any, group: str) -> Any:
+    from rlgraph import op_spec
+
+    return op_spec(fn).with_(group=group)
+
+
+# --------------------------------------------------------------------------- the bound
+@dataclass
+class Job:
+    op: str
+    index: int
+    pool: str
+    width: int  # ranks it holds at once (barriers: all of the group's)
+    dur: float
+    preds: list[int]
+
+
+def step_layout(plan: Any, step: int) -> tuple[list[int], list[bool]]:
+    """Row group ids and padding tags as the source lays them out (docs/runtime.md)."""
+    b = plan.batch
+    rows = b.padded_batch_warmup if step < b.critic_warmup else b.padded_batch
+    prompts, n = b.batch_size, b.n
+    uid0 = step * rows
+    uids = [uid0 + p for p in range(prompts) for _ in range(n)]
+    uids += [uid0 + prompts + i for i in range(rows - prompts * n)]
+    return uids, [False] * (prompts * n) + [True] * (rows - prompts * n)
+
+
+def jobs_for_step(plan: Any, step: int) -> list[Job]:
+    """The step's op calls (the runtime's fixed chunks) with modelled durations and dependencies."""
+    from rlgraph.runtime.book import make_chunks
+
+    c = _cost(plan.config)
+    seed = int(plan.config["trainer"]["seed"])
+    uids, pad = step_layout(plan, step)
+    lens = lengths_for(seed, step, range(len(uids)), pad, c)
+    groups = {g.name: g for g in plan.groups}
+    jobs: list[Job] = []
+    producer_chunks: dict[str, list[tuple[set[int], int]]] = {}  # column -> (rows, job id)
+    for o in plan.ops:  # plan order is topological
+        g = groups[o.group]
+        for ch in make_chunks(o, uids):
+            rows = set(ch.rows)
+            preds = sorted({j for col in o.inputs for (rs, j) in producer_chunks.get(col, []) if rs & rows})
+            if o.mode == "barrier":
+                shards = [ch.rows[r * len(ch.rows) // g.dp:(r + 1) * len(ch.rows) // g.dp] for r in range(g.dp)]
+                dur, width = max(op_seconds(o.name, [lens[i] for i in s], c) for s in shards), g.dp
+            else:
+                dur, width = op_seconds(o.name, [lens[i] for i in ch.rows], c), 1
+            jobs.append(Job(o.name, ch.index, g.pool, width, dur, preds))
+            for col in o.outputs:
+                producer_chunks.setdefault(col, []).append((rows, len(jobs) - 1))
+    return jobs
+
+
+def lower_bound(plan: Any, jobs: list[Job]) -> dict[str, float]:
+    """Critical path, per-pool bound, and their maximum (a lower bound on the step's makespan)."""
+    head = [0.0] * len(jobs)
+    for i, j in enumerate(jobs):
+        head[i] = max((head[p] + jobs[p].dur for p in j.preds), default=0.0)
+    succs: list[list[int]] = [[] for _ in jobs]
+    for i, j in enumerate(jobs):
+        for p in j.preds:
+            succs[p].append(i)
+    tail = [0.0] * len(jobs)
+    for i in reversed(range(len(jobs))):
+        tail[i] = max((jobs[s].dur + tail[s] for s in succs[i]), default=0.0)
+    cp = max(head[i] + jobs[i].dur + tail[i] for i in range(len(jobs)))
+    slots = {p.name: len(p.bundles) for p in plan.pools}
+    pool_lb, busiest, busiest_load = 0.0, "", 0.0
+    for pool in sorted({j.pool for j in jobs}):
+        ids = [i for i, j in enumerate(jobs) if j.pool == pool]
+        load = sum(jobs[i].dur * jobs[i].width for i in ids) / slots[pool]
+        if load > busiest_load:
+            busiest, busiest_load = pool, load
+        for a in sorted({head[i] for i in ids}):
+            sub = [i for i in ids if head[i] >= a - 1e-12]
+            for b in sorted({tail[i] for i in sub}):
+                s = [i for i in sub if tail[i] >= b - 1e-12]
+                pool_lb = max(pool_lb, a + sum(jobs[i].dur * jobs[i].width for i in s) / slots[pool] + b)
+    return {"critical_path": cp, "pool_bound": pool_lb, "busiest_pool": busiest,
+            "busiest_load": busiest_load, "bound": max(cp, pool_lb)}
+
+
+def simulate(plan: Any, jobs: list[Job], schedule: str) -> float:
+    """Makespan of the runtime's dispatch policy with zero overhead (an event simulation)."""
+    groups = {g.name: g for g in plan.groups}
+    group_of = {o.name: o.group for o in plan.ops}
+    stage_of = {o.name: o.stage for o in plan.ops}
+    order = {o.name: k for k, o in enumerate(plan.ops)}
+    free = {g: set(range(groups[g].dp)) for g in groups}
+    done_t: dict[int, float] = {}
+    started: set[int] = set()
+    running: list[tuple[float, int, list[int]]] = []  # (end, job, ranks)
+    now = 0.0
+    ops_left = {o: sum(1 for j in jobs if j.op == o) for o in order}
+    while len(done_t) < len(jobs):
+        for i in sorted(range(len(jobs)), key=lambda i: (order[jobs[i].op], i)):
+            j = jobs[i]
+            if i in started or any(p not in done_t for p in j.preds):
+                continue
+            if schedule == "sync" and any(ops_left[o] for o in order if stage_of[o] < stage_of[j.op]):
+                continue
+            f = free[group_of[j.op]]
+            if j.width > 1:
+                if len(f) < j.width:
+                    continue
+                ranks = sorted(f)
+            elif f:
+                ranks = [min(f)]
+            else:
+                continue
+            f.difference_update(ranks)
+            started.add(i)
+            running.append((now + j.dur, i, ranks))
+        running.sort()
+        end, i, ranks = running.pop(0)
+        now = end
+        done_t[i] = end
+        ops_left[jobs[i].op] -= 1
+        free[group_of[jobs[i].op]].update(ranks)
+    return now

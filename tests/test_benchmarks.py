@@ -1,0 +1,128 @@
+"""The benchmarks in --quick mode: each writes its section of a temporary performance doc.
+
+The pure ones (padding, scale, the simulated cluster's bound) run without Ray; the others reuse
+the session's Ray and data planes (tests/conftest.py) and are marked slow: each starts worker
+actors (about 20-40 s apiece on 2 cores).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks import common, sim
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def table_rows(text: str, name: str) -> list[list[str]]:
+    """The rows of the first markdown table inside section `name` of `text`."""
+    block = text.split(f"<!-- bench:{name}:start -->")[1].split(f"<!-- bench:{name}:end -->")[0]
+    lines = [ln for ln in block.splitlines() if ln.startswith("|")]
+    assert len(lines) >= 3, f"section {name} has no table:\n{block}"
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+
+
+def num(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("%"))
+
+
+def test_sections_are_replaced_in_place(tmp_path):
+    doc = tmp_path / "perf.md"
+    t = common.Table(["a", "b"])
+    t.add(1, 2.5)
+    common.write_section(common.Section("scale", "Scale", "intro", [t], command="x"), doc)
+    common.write_section(common.Section("overlap", "Overlap", "first", [t], command="y"), doc)
+    common.write_section(common.Section("overlap", "Overlap", "second", [t], command="y"), doc)
+    text = doc.read_text()
+    assert text.count("<!-- bench:overlap:start -->") == 1 and "second" in text and "first" not in text
+    assert text.index("bench:overlap:start") < text.index("bench:scale:start")  # the runner's order
+    assert table_rows(text, "scale")[2] == ["1", "2.50"]
+
+
+@pytest.mark.parametrize("sigma,pools", [(0.25, 4), (1.25, 4), (1.25, 2)])
+def test_bound_is_below_every_simulated_schedule(sigma, pools):
+    import rlgraph
+
+    plan = rlgraph.compile(sim.pipeline(pools, cpus_per_node=8), [f"generate.sigma={sigma}", "data.batch_size=16"])
+    for step in range(3):
+        jobs = sim.jobs_for_step(plan, step)
+        lb = sim.lower_bound(plan, jobs)
+        stream, sync = sim.simulate(plan, jobs, "stream"), sim.simulate(plan, jobs, "sync")
+        assert 0 < lb["critical_path"] <= lb["bound"] and lb["pool_bound"] <= lb["bound"]
+        assert lb["bound"] <= stream + 1e-9 and stream <= sync + 1e-9
+    # the same draws in every process: lengths depend only on (seed, step, row)
+    assert sim.response_length(1, 3, 5, 256, 0.75, 4096) == sim.response_length(1, 3, 5, 256, 0.75, 4096)
+
+
+def test_padding_and_scale_quick(tmp_path):
+    from benchmarks import padding, scale
+
+    doc = tmp_path / "perf.md"
+    common.write_section(padding.run(quick=True), doc)
+    common.write_section(scale.run(quick=True), doc)
+    text = doc.read_text()
+    rows = table_rows(text, "padding")
+    assert rows[0][:3] == ["dp", "mini-batch (prompts)", "n"] and len(rows) == 2 + 6
+    for r in rows[2:]:
+        samples, m, padded, pad = num(r[3]), num(r[4]), num(r[5]), num(r[6])
+        assert padded == samples + pad and padded % m == 0 and 0 <= pad < m
+    rows = table_rows(text, "scale")
+    assert rows[0][0] == "ops" and len(rows) == 2 + 4
+    assert all(num(r[2]) > 0 and num(r[8]) > 0 for r in rows[2:])
+    assert "Reproduce: `.venv/bin/python -m benchmarks.run padding --quick`" in text
+
+
+@pytest.fixture
+def planes(tq_plane, ray_plane):
+    common.set_planes(transferqueue=tq_plane, ray=ray_plane)
+    yield
+    common._planes.clear()  # the session fixtures close them
+
+
+@pytest.mark.ray
+def test_dataplane_quick(tmp_path, planes):
+    from benchmarks import dataplane
+
+    doc = tmp_path / "perf.md"
+    common.write_section(dataplane.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "dataplane")
+    assert {r[3] for r in rows[2:]} == {"TransferQueue", "Ray object store", "memcpy"}
+    assert all(num(r[4]) > 0 and num(r[5]) > 0 for r in rows[2:])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_overlap_and_traffic_quick(tmp_path, planes):
+    from benchmarks import overlap, traffic
+
+    doc = tmp_path / "perf.md"
+    common.write_section(overlap.run(quick=True, svg=tmp_path / "overlap.svg"), doc)
+    common.write_section(traffic.run(quick=True), doc)
+    text = doc.read_text()
+    head, *body = [r for i, r in enumerate(table_rows(text, "overlap")) if i != 1]
+    for r in body:
+        row = dict(zip(head, r))
+        assert num(row["bound s"]) <= num(row["stream s"])  # the bound is a bound
+        assert num(row["stream / bound"]) >= 1 and num(row["sync / stream"]) > 0
+    assert (tmp_path / "overlap.svg").read_text().startswith("<svg")
+    head, *body = [r for i, r in enumerate(table_rows(text, "traffic")) if i != 1]
+    ours, classic = (dict(zip(head, r)) for r in body)
+    assert num(ours["driver payload bytes / step"]) == 0
+    assert num(classic["driver payload bytes / step"]) >= num(classic["column bytes moved / step"]) / 2
+    assert num(ours["driver share of bytes moved"]) < num(classic["driver share of bytes moved"])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_real_quick(tmp_path, planes):
+    from benchmarks import real
+
+    doc = tmp_path / "perf.md"
+    common.write_section(real.run(quick=True), doc)
+    head, *body = [r for i, r in enumerate(table_rows(doc.read_text(), "real")) if i != 1]
+    row = dict(zip(head, body[0]))
+    assert row["example"] == "GRPO" and row["same rewards"] == "yes"
+    assert num(row["stream s/step"]) > 0 and num(row["sync s/step"]) > 0
+    assert re.match(r"\d", row["sync / stream"])
