@@ -185,7 +185,16 @@ def test_overlong_prompts_are_dropped_and_counted(tmp_path):
         PromptSource({"path": path, "max_prompt_length": 3}, seed=0)
 
 
-def test_bad_rows_are_reported_together_with_the_fix(tmp_path):
+@pytest.fixture
+def no_ray(monkeypatch):
+    """As in a script without Ray, also when an earlier test left the session's Ray running:
+    ``reader=auto`` reads locally (Ray Data needs one schema for all rows)."""
+    from rlgraph.ops import data
+
+    monkeypatch.setattr(data, "_ray_initialized", lambda: False)
+
+
+def test_bad_rows_are_reported_together_with_the_fix(tmp_path, no_ray):
     good = tasks.make_rows("add", 1, seed=0)[0]
     rows = [
         good,
@@ -214,7 +223,7 @@ def test_bad_rows_are_reported_together_with_the_fix(tmp_path):
     assert issubclass(PromptDataError, RLGraphError)
 
 
-def test_file_errors(tmp_path):
+def test_file_errors(tmp_path, no_ray):
     with pytest.raises(PromptDataError, match="prompt file '.*nope.parquet' does not exist"):
         PromptSource({"path": str(tmp_path / "nope.parquet")}, seed=0)
     (tmp_path / "p.csv").write_text("a,b\n")
