@@ -38,6 +38,7 @@ __all__ = [
     "SYSTEM_COLUMNS",
 ]
 
+PLACEMENTS = ("pack", "spread")
 Granularity = Literal["sample", "group", "batch"]
 GRANULARITIES = ("sample", "group", "batch")
 _CTX = "ctx"  # reserved parameter name: receives the OpContext
@@ -309,10 +310,14 @@ class WorkerGroup:
     num_gpus: float = 0.0
     pool: str | None = None
     doc: str = ""
+    placement: str = "pack"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise DeclarationError(f"worker group name {self.name!r} must be a Python identifier")
+        if self.placement not in PLACEMENTS:
+            raise DeclarationError(f"worker group {self.name!r}: placement={self.placement!r}; use one of "
+                                   f"{', '.join(PLACEMENTS)}")
 
     def params(self) -> dict[str, Param]:
         return {
@@ -320,6 +325,8 @@ class WorkerGroup:
             "num_cpus": Param(float, float(self.num_cpus), "logical CPUs per worker", minimum=0.0),
             "num_gpus": Param(float, float(self.num_gpus), "GPUs per worker", minimum=0.0),
             "pool": Param(str, self.pool or self.name, "resource pool; groups sharing one are colocated"),
+            "placement": Param(str, self.placement, "pack the pool's workers onto as few nodes as possible, or "
+                               "spread them over the nodes (e.g. reward workers)", choices=PLACEMENTS),
         }
 
 

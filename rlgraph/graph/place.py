@@ -29,6 +29,7 @@ class _Group:
     num_cpus: float
     num_gpus: float
     pool: str
+    placement: str = "pack"
 
 
 def resolved_groups(g: BuiltGraph) -> list[_Group]:
@@ -37,8 +38,9 @@ def resolved_groups(g: BuiltGraph) -> list[_Group]:
         if gr.name in seen:
             continue
         seen.add(gr.name)
-        c = {k: g.config[f"groups.{gr.name}.{k}"] for k in ("dp", "num_cpus", "num_gpus", "pool")}
-        out.append(_Group(gr.name, int(c["dp"]), float(c["num_cpus"]), float(c["num_gpus"]), str(c["pool"])))
+        c = {k: g.config[f"groups.{gr.name}.{k}"] for k in ("dp", "num_cpus", "num_gpus", "pool", "placement")}
+        out.append(_Group(gr.name, int(c["dp"]), float(c["num_cpus"]), float(c["num_gpus"]), str(c["pool"]),
+                          str(c["placement"])))
     return out
 
 
@@ -68,15 +70,20 @@ def _pack(g: BuiltGraph) -> tuple[dict[str, list[BundlePlan]], list[str], list[f
         cpus[i] -= take
         reserve -= take
     demands: list[tuple[str, int, float, float]] = []
+    spread: set[str] = set()
     for pool, members in _pools(resolved_groups(g)).items():
         size = max(m.dp for m in members)
         c = max(m.num_cpus for m in members)
         gp = max(m.num_gpus for m in members)
         demands += [(pool, i, c, gp) for i in range(size)]
+        if any(m.placement == "spread" for m in members):
+            spread.add(pool)
     placed: dict[str, list[BundlePlan]] = {}
     unplaced: list[str] = []
     for pool, i, c, gp in sorted(demands, key=lambda d: (-d[3], -d[2], d[0], d[1])):
-        for node in range(n):
+        # a spread pool's slot i tries node i mod n first (round-robin), a packed one node 0 first
+        first = i % n if pool in spread else 0
+        for node in [*range(first, n), *range(first)]:
             if cpus[node] + _EPS >= c and gpus[node] + _EPS >= gp:
                 cpus[node] -= c
                 gpus[node] -= gp

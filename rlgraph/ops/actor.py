@@ -21,7 +21,7 @@ from rlgraph.ops.algos import agg_loss, entropy_from_logits, kl_loss, logprobs_f
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout import generate_hf
 from rlgraph.ops.sequences import pack, response_logits, split_rows
-from rlgraph.ops.training import TrainerMixin, section
+from rlgraph.ops.training import TrainerMixin, kept_rows, section
 
 __all__ = ["ActorWorker"]
 
@@ -112,8 +112,9 @@ class ActorWorker(TrainerMixin):
         prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
         packed = pack(prompts, resp, self.tokenizer.pad_token_id)
         R = packed.response_width
-        # padding rows have response_mask 0: no loss, no gradient
-        mask = packed.response_mask * response_mask[:, :R].to(packed.response_mask.dtype)
+        # padding rows have response_mask 0, and rows dropped this step (e.g. a failed reward) arrive
+        # tagged as padding: no loss, no gradient, not in the token counts
+        mask = packed.response_mask * response_mask[:, :R].to(packed.response_mask.dtype) * kept_rows(ctx, packed.response_mask.dtype)
         batch = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
                  "position_ids": packed.position_ids, "response_mask": mask,
                  "old_log_probs": old_log_probs[:, :R], "advantages": advantages[:, :R]}
@@ -159,3 +160,4 @@ class ActorWorker(TrainerMixin):
         self.model.load_state_dict(state["model"])
         self.load_trainer_state(state.get("trainer"))
         self.version = int(state.get("version", -1))
+

@@ -15,7 +15,7 @@ import torch
 from rlgraph.ops.algos import agg_loss, value_loss
 from rlgraph.ops.models import load_critic, load_tokenizer
 from rlgraph.ops.sequences import pack, split_rows
-from rlgraph.ops.training import TrainerMixin, section
+from rlgraph.ops.training import TrainerMixin, kept_rows, section
 
 __all__ = ["CriticWorker"]
 
@@ -54,7 +54,7 @@ class CriticWorker(TrainerMixin):
         prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
         p = pack(prompts, resp, self.tokenizer.pad_token_id)
         P, R = p.prompt_width, p.response_width
-        mask = p.response_mask * response_mask[:, :R].to(p.response_mask.dtype)
+        mask = p.response_mask * response_mask[:, :R].to(p.response_mask.dtype) * kept_rows(ctx, p.response_mask.dtype)
         batch = {"input_ids": p.input_ids, "attention_mask": p.attention_mask, "position_ids": p.position_ids,
                  "response_mask": mask, "values": values[:, :R], "returns": returns[:, :R]}
 

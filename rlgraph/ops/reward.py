@@ -1,9 +1,20 @@
-"""The rule-based reward op: decode responses, score them, put the score on the last token.
+"""The rule-based reward op: decode responses, score them concurrently, put the score on the last token.
 
 The scoring function has verl's signature, ``compute_score(data_source, solution_str,
 ground_truth, extra_info=None) -> float | dict`` (a dict carries ``"score"`` and extras), and is
-named by ``reward.fn`` as ``module:function``, so existing verl reward code drops in.
-Padding rows score 0 and are never passed to the function.
+named by ``reward.fn`` as ``module:function``, so existing verl reward code drops in. Samples
+of a call are scored concurrently (`rlgraph.ops.scoring`: threads, a process pool, or an event
+loop for ``async def`` functions), each under ``timeout_s``. Padding rows score 0 and are never
+passed to the function.
+
+A sample whose function raises or runs out of time carries the error in its extras
+(``reward_error``) and is then handled by ``on_error``: ``fail`` fails the step naming the
+samples, ``zero`` scores it 0, ``drop_group`` scores it 0 and drops its whole group from
+training (counted under ``samples/dropped/reward_error`` or ``.../reward_timeout``).
+
+The op's outputs are, in declaration order: the score column (token level), the extras column,
+the metrics column, so the same body serves the single reward (``token_level_scores``) and a
+named source of a mixed reward (e.g. ``rule_scores``).
 """
 
 from __future__ import annotations
@@ -12,38 +23,100 @@ from typing import Any
 
 import torch
 
-from rlgraph.ops.models import load_tokenizer
-from rlgraph.ops.rewards import load_reward_fn, score_batch
+from rlgraph.ops.models import char_tokenizer, load_tokenizer
+from rlgraph.ops.rewards import RewardFnError
+from rlgraph.ops.scoring import RewardScorer
 from rlgraph.ops.training import section
 
-__all__ = ["RewardWorker"]
+__all__ = ["RewardWorker", "ON_ERROR", "combine_rewards"]
+
+ON_ERROR = ("fail", "zero", "drop_group")
 
 
 class RewardWorker:
     def setup(self, ctx: Any) -> None:
-        path = (section(ctx, "reward").get("tokenizer") or section(ctx, "data").get("tokenizer")
-                or section(ctx, "actor").get("model_path"))
-        if not path:
-            raise ValueError("the reward op needs a tokenizer to decode responses: set reward.tokenizer, "
-                             "data.tokenizer or actor.model_path")
-        self.tokenizer = load_tokenizer(path)
-        self.fns: dict[str, Any] = {}
+        self.default_tokenizer = section(ctx, "data").get("tokenizer") or section(ctx, "actor").get("model_path")
+        self.tokenizers: dict[str, Any] = {}
+        self.scorers: dict[tuple, RewardScorer] = {}
+
+    def _tokenizer(self, path: str) -> Any:
+        """`path`'s tokenizer; with none configured anywhere, the built-in character tokenizer
+        (what the data source encodes prompts with when data.tokenizer is empty)."""
+        path = path or self.default_tokenizer or ""
+        if path not in self.tokenizers:
+            self.tokenizers[path] = load_tokenizer(path) if path else char_tokenizer()
+        return self.tokenizers[path]
 
     def compute_reward(self, prompts: Any = None, responses: torch.Tensor | None = None,
                        response_mask: torch.Tensor | None = None, data_source: list | None = None,
                        ground_truth: list | None = None, extra_info: list | None = None, *,
-                       fn: str = "rlgraph.ops.rewards:compute_score", ctx: Any = None, **_: Any) -> dict[str, Any]:
-        if fn not in self.fns:
-            self.fns[fn] = load_reward_fn(fn)
+                       fn: str = "rlgraph.ops.rewards:compute_score", executor: str = "thread",
+                       concurrency: int = 8, timeout_s: float = 60.0, on_error: str = "fail",
+                       tokenizer: str = "", ctx: Any = None, **_: Any) -> dict[str, Any]:
+        if on_error not in ON_ERROR:
+            raise RewardFnError(f"{ctx.op}.on_error={on_error!r}; use one of {', '.join(ON_ERROR)}")
+        key = (fn, executor, int(concurrency), float(timeout_s))
+        if key not in self.scorers:
+            self.scorers[key] = RewardScorer(fn, executor=executor, concurrency=concurrency, timeout_s=timeout_s)
+        scorer = self.scorers[key]
         lengths = ctx.lengths["response_len"]
         rows = len(lengths)
         real = [i for i in range(rows) if not ctx.is_padding[i]]
-        texts = [self.tokenizer.decode(responses[i, :lengths[i]].tolist(), skip_special_tokens=True) for i in real]
-        scores, extras = score_batch(self.fns[fn], [data_source[i] for i in real], texts,
-                                     [ground_truth[i] for i in real], [extra_info[i] for i in real])
-        token_level_scores = torch.zeros((rows, max(lengths)), dtype=torch.float32)
+        tok = self._tokenizer(tokenizer)
+        texts = [tok.decode(responses[i, :lengths[i]].tolist(), skip_special_tokens=True) for i in real]
+        outcomes = scorer.score([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
+                                [extra_info[i] for i in real])
+        failed = [(i, o) for i, o in zip(real, outcomes) if o.error is not None]
+        if failed and on_error == "fail":
+            shown = "; ".join(f"row {i} (data_source={data_source[i]!r}): {o.error}" for i, o in failed[:3])
+            raise RewardFnError(
+                f"reward function {fn!r} failed on {len(failed)} of {len(real)} samples: {shown}"
+                f"{' ...' if len(failed) > 3 else ''}. Fix the function, or set {ctx.op}.on_error=zero (score "
+                f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
+        score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
+        token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
         reward_extra: list[dict] = [{} for _ in range(rows)]
-        for j, i in enumerate(real):
-            token_level_scores[i, lengths[i] - 1] = float(scores[j])  # on the last response token
-            reward_extra[i] = extras[j]
-        return {"token_level_scores": token_level_scores, "reward_extra": reward_extra}
+        for i, o in zip(real, outcomes):
+            reward_extra[i] = dict(o.extra)
+            if o.error is not None:
+                reward_extra[i]["reward_error"] = o.error
+                if on_error == "drop_group":
+                    ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
+                continue
+            if lengths[i] > 0:
+                token_level_scores[i, lengths[i] - 1] = float(o.score)  # on the last response token
+        metrics = {
+            "scored_count": len(real),
+            "error_count": sum(1 for _, o in failed if not o.timed_out),
+            "timeout_count": sum(1 for _, o in failed if o.timed_out),
+            "latency_max_s": max((o.seconds for o in outcomes), default=0.0),
+        }
+        return {score_col: token_level_scores, extra_col: reward_extra, metrics_col: metrics}
+
+    def close(self) -> None:
+        for scorer in self.scorers.values():
+            scorer.close()
+
+
+def combine_rewards(response_mask: torch.Tensor, *, ctx: Any, **inputs: Any) -> dict[str, Any]:
+    """Body of `stages.combine_rewards`: ``sum_k w_k * scores_k`` over the score columns, token by token
+    (each source carries its score on the last response token). Params are ``w_<column>``."""
+    weights = {k[2:]: float(v) for k, v in inputs.items() if k.startswith("w_")}
+    missing = [c for c in weights if c not in inputs]
+    if missing:
+        raise RewardFnError(f"{ctx.op}: weights given for {missing}, but the op did not receive those columns")
+    rows = len(ctx.is_padding)
+    width = max(ctx.lengths.get("response_len", (0,)), default=0)
+    total = torch.zeros((rows, width), dtype=torch.float32)
+    real = torch.tensor([not p for p in ctx.is_padding], dtype=torch.bool)
+    metrics: dict[str, Any] = {}
+    for col, w in weights.items():
+        scores = inputs[col].float()[:, :width]
+        if scores.shape[1] < width:
+            scores = torch.nn.functional.pad(scores, (0, width - scores.shape[1]))
+        total += w * scores
+        per_row = scores.sum(dim=1)[real]
+        if per_row.numel():
+            metrics[col] = {"mean": float(per_row.mean()), "weight": w}
+    score_col, metrics_col = ctx.outputs[0], ctx.outputs[1]
+    return {score_col: total, metrics_col: metrics}

@@ -32,6 +32,7 @@ __all__ = [
     "compute_score",
     "load_reward_fn",
     "score_batch",
+    "normalise_score",
 ]
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
@@ -156,14 +157,18 @@ def score_batch(fn: RewardFn, data_sources: Sequence[str], solution_strs: Sequen
     for i in range(n):
         out = fn(data_source=data_sources[i], solution_str=solution_strs[i], ground_truth=ground_truths[i],
                  extra_info=extra_infos[i])
-        where = f"reward function {label!r} on sample {i} (data_source={data_sources[i]!r})"
-        if isinstance(out, dict):
-            if "score" not in out:
-                raise RewardFnError(f"{where} returned a dict without 'score' (keys {sorted(out)}); add the "
-                                    f"scalar reward under 'score'")
-            scores.append(_as_float(out["score"], where + " ['score']"))
-            extras.append({k: v for k, v in out.items() if k != "score"})
-        else:
-            scores.append(_as_float(out, where))
-            extras.append({})
+        score, extra = normalise_score(out, f"reward function {label!r} on sample {i} "
+                                            f"(data_source={data_sources[i]!r})")
+        scores.append(score)
+        extras.append(extra)
     return scores, extras
+
+
+def normalise_score(out: Any, where: str) -> tuple[float, dict[str, Any]]:
+    """A reward function's return value as (score, extras): a float, or a dict with ``"score"``."""
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise RewardFnError(f"{where} returned a dict without 'score' (keys {sorted(out)}); add the "
+                                f"scalar reward under 'score'")
+        return _as_float(out["score"], where + " ['score']"), {k: v for k, v in out.items() if k != "score"}
+    return _as_float(out, where), {}

@@ -23,6 +23,8 @@ __all__ = [
     "prompt_source",
     "generate",
     "reward",
+    "reward_model",
+    "combine_rewards",
     "old_logprob",
     "ref",
     "values",
@@ -148,25 +150,94 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
     ).with_(**changes)
 
 
-def reward(group: str = "reward", **changes: Any) -> OpSpec:
-    """Score each sample with a rule-based function (verl's compute_score signature)."""
+def reward(group: str = "reward", name: str = "reward", score_column: str = "token_level_scores",
+           **changes: Any) -> OpSpec:
+    """Score each sample with a rule-based function (verl's compute_score signature), concurrently.
+
+    Outputs ``score_column`` (default ``token_level_scores``, what the advantage reads), then
+    ``<name>_extra`` (the function's extra values, and ``reward_error`` for failed samples) and
+    ``<name>_metrics``. Give another `name` and `score_column` for one source of a mixed reward
+    (see `combine_rewards`). A group of several ranks is a pool of reward workers: calls go to the
+    least-loaded idle rank (``load/<name>/rank_<r>/rows`` in the metrics)."""
+    from rlgraph.ops.reward import ON_ERROR
+    from rlgraph.ops.scoring import EXECUTORS
+
     return OpSpec(
-        name="reward",
+        name=name,
         inputs=_cols("prompts", "responses", "response_mask", "data_source", "ground_truth", "extra_info"),
-        outputs=_cols("token_level_scores", "reward_extra"),
+        outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
+                 else T.float32(R, doc=f"score of the {name} op, on the last response token"),
+                 f"{name}_extra": T.json(doc="extra values returned by the reward function; reward_error on failure"),
+                 f"{name}_metrics": T.json().metric()},
         granularity="sample",
         group=group,
         params={
             "tokenizer": Param(str, "", "tokenizer directory for decoding responses (default: data.tokenizer, "
-                               "then actor.model_path)"),
+                               "then actor.model_path, then the built-in character tokenizer)"),
             "fn": Param(str, "rlgraph.ops.rewards:compute_score",
-                        "'module:function' with signature compute_score(data_source, solution_str, "
-                        "ground_truth, extra_info=None) -> float | dict"),
-            "micro_batch_size": Param(int, 64, "samples scored per call", minimum=1),
+                        "'module:function' or 'file.py:function' with signature compute_score(data_source, "
+                        "solution_str, ground_truth, extra_info=None) -> float | dict; may be async def"),
+            "micro_batch_size": Param(int, 64, "samples per call (a call goes to one reward worker)", minimum=1),
+            "executor": Param(str, "thread", "how a worker scores a call's samples concurrently: thread (I/O-bound "
+                              "functions) or process (CPU-heavy; a timed-out sample's process is killed); "
+                              "async def functions always run on an event loop", choices=EXECUTORS),
+            "concurrency": Param(int, 8, "samples scored at once per worker", minimum=1),
+            "timeout_s": Param(float, 60.0, "time limit per sample, from its start (0: none)", minimum=0.0),
+            "on_error": Param(str, "fail", "a sample whose function raised or timed out: fail the step, score it "
+                              "zero, or drop its group from training (drop_group)", choices=ON_ERROR),
         },
         impl="rlgraph.ops.reward:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
         cost=0.5,
+    ).with_(**changes)
+
+
+def reward_model(group: str = "reward_model", name: str = "reward_model", score_column: str = "rm_scores",
+                 **changes: Any) -> OpSpec:
+    """Score each sample with a discriminative reward model (a sequence-classification head).
+
+    Place it on its own group/pool, or on the policy's group (``group="actor"``) to share its
+    devices: then the model sleeps on the CPU between calls (``offload``). Combine its scores
+    with rule scores through `combine_rewards`, or name ``score_column="token_level_scores"``
+    to use it alone."""
+    return OpSpec(
+        name=name,
+        inputs=_cols(*_MODEL_INPUTS, "response_mask"),
+        outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
+                 else T.float32(R, doc=f"reward-model score of the {name} op, on the last response token")},
+        granularity="sample",
+        group=group,
+        params={
+            "model_path": Param(str, "", "directory of a Hugging Face sequence-classification model (num_labels=1) "
+                                "with its tokenizer"),
+            "micro_batch_size": Param(int, 32, "samples per forward pass", minimum=1),
+            "offload": Param(bool, True, "on a GPU, keep the model on the CPU between calls (wake, score, sleep)"),
+        },
+        impl="rlgraph.ops.reward_model:RewardModelWorker.compute_rm_score",
+        batching=Batching(micro_batch="micro_batch_size"),
+        cost=1.0,
+        doc="Reward-model forward pass: one scalar per sample on its last response token.",
+    ).with_(**changes)
+
+
+def combine_rewards(weights: Mapping[str, float], group: str = "reward", name: str = "combine_rewards",
+                    **changes: Any) -> OpSpec:
+    """Weighted sum of several score columns into ``token_level_scores``: e.g. ``{"rule_scores": 1.0,
+    "rm_scores": 0.5}``. Each weight is a param (``combine_rewards.w_<column>``); each source's mean
+    over real samples is kept as a metric (``combine_rewards/<column>/mean``)."""
+    if not weights:
+        raise DeclarationError("combine_rewards needs at least one score column with a weight")
+    return OpSpec(
+        name=name,
+        inputs={**{col: T.float32(R) for col in weights}, **_cols("response_mask")},
+        outputs={**_cols("token_level_scores"), f"{name}_metrics": T.json().metric()},
+        granularity="sample",
+        group=group,
+        params={f"w_{col}": Param(float, float(w), f"weight of {col!r} in the combined score")
+                for col, w in weights.items()},
+        impl="rlgraph.ops.reward:combine_rewards",
+        cost=0.1,
+        doc="Mixed reward: a weighted sum of rule and model scores.",
     ).with_(**changes)
 
 

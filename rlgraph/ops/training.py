@@ -16,9 +16,15 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["section", "TrainerMixin"]
+__all__ = ["section", "kept_rows", "TrainerMixin"]
 
 _ENGINE_PARAMS = ("lr", "weight_decay", "grad_clip", "lr_warmup_steps", "backend", "zero_stage")
+
+
+def kept_rows(ctx: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """[rows, 1]: 0 for rows tagged as padding in this call (rows added to fill the batch, and
+    samples dropped earlier in the step, e.g. by a failed reward), else 1. Multiply loss masks by it."""
+    return torch.tensor([[0 if p else 1] for p in ctx.is_padding], dtype=dtype)
 
 
 def section(ctx: Any, name: str) -> Mapping[str, Any]:

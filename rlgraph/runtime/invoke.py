@@ -65,6 +65,19 @@ class OpContext:
     lengths: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     master_addr: str = "127.0.0.1"  # rank 0's address and a free port there: the group's
     master_port: int = 0  # torch.distributed rendezvous (DDP, DeepSpeed)
+    outputs: tuple[str, ...] = ()  # the op's declared output columns, in declaration order
+    # rows the op dropped in this call: index in the call -> (reason, whole group?); see `drop`
+    dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)
+
+    def drop(self, index: int, reason: str, group: bool = False) -> None:
+        """Drop row `index` of this call from training (with `group=True`, every sample of its
+        group). The runtime counts it under ``samples/dropped/<reason>`` and treats it as padding
+        in every op that depends on this one; the op still returns a value for the row."""
+        if not 0 <= index < len(self.rows):
+            raise IndexError(f"ctx.drop({index}): this call has {len(self.rows)} rows")
+        if not reason or "/" in reason:
+            raise ValueError(f"ctx.drop reason {reason!r} must be a non-empty name without '/'")
+        self.dropped[index] = (reason, group)
 
 
 def resolve_impl(ref: str, impl_file: str | None = None) -> tuple[Any, str | None]:
@@ -184,6 +197,7 @@ class Invoker:
         self.instances: dict[str, Any] = {}
         self.fns: dict[str, Callable] = {}
         self.state: dict[str, Any] = {}  # state columns produced or imported here
+        self.last_dropped: dict[int, tuple[str, bool]] = {}  # rows the last call dropped (ctx.drop)
         for op in plan.ops:
             if op.group == group:
                 self.fns[op.name] = self._bind(op)
@@ -216,6 +230,8 @@ class Invoker:
         fn = self.fns[op.name]
         kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name]) for name in op.inputs
                                   if name in inputs}
+        if "is_padding" in kwargs:  # the call's tags, which include rows dropped upstream in this step
+            kwargs["is_padding"] = torch.tensor([bool(p) for p in is_padding], dtype=torch.bool)
         for name, value in (batch_inputs or {}).items():
             kwargs[name] = value
         for name in op.state_inputs:
@@ -223,15 +239,19 @@ class Invoker:
         kwargs.update(op.params)
         params = inspect.signature(fn).parameters
         lengths = _row_lengths(self.plan, op, inputs)
+        self.last_dropped = {}
+        ctx = None
         if "ctx" in params:
             seed = stable_seed(self.plan.config.get("trainer", {}).get("seed", 0), step, op.name, chunk)
-            kwargs["ctx"] = OpContext(op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step,
-                                      chunk=chunk, seed=seed, rows=tuple(rows), is_padding=tuple(is_padding),
-                                      config=self.plan.config, master_addr=self.master_addr,
-                                      master_port=self.master_port,
-                                      lengths={k: tuple(v) for k, v in lengths.items()})
+            ctx = kwargs["ctx"] = OpContext(
+                op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step, chunk=chunk, seed=seed,
+                rows=tuple(rows), is_padding=tuple(is_padding), config=self.plan.config,
+                master_addr=self.master_addr, master_port=self.master_port,
+                lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs))
         accepted = {k: v for k, v in kwargs.items() if k in params or _has_var_kw(params)}
         result = fn(**accepted)
+        if ctx is not None:
+            self.last_dropped = dict(ctx.dropped)
         out = check_outputs(self.plan, op, result, len(rows), lengths)
         for name in op.outputs:
             if self.plan.columns[name].kind == "state":

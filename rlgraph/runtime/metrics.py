@@ -41,8 +41,13 @@ def flatten_metrics(prefix: str, value: Any) -> dict[str, float]:
 
 def step_metrics(step: int, *, summaries: Mapping[str, list[float]], op_metrics: Mapping[str, list[Any]],
                  spans: Iterable[Span], wall_s: float, real_rows: int, pad_rows: int,
-                 driver_payload_bytes: int, driver_result_bytes: int, schedule: str) -> dict[str, Any]:
-    """One step's metrics record (one line of metrics.jsonl)."""
+                 driver_payload_bytes: int, driver_result_bytes: int, schedule: str,
+                 dropped: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """One step's metrics record (one line of metrics.jsonl).
+
+    Sample accounting: ``samples/real`` (produced by the source) = ``samples/trained`` +
+    ``samples/dropped``; ``samples/padding`` counts the rows added to fill the padded batch;
+    ``samples/dropped/<reason>`` splits the drops by reason."""
     from rlgraph.runtime.worker import SUMMARIES
 
     m: dict[str, Any] = {"step": step, "schedule": schedule}
@@ -52,23 +57,35 @@ def step_metrics(step: int, *, summaries: Mapping[str, list[float]], op_metrics:
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     calls: dict[str, int] = defaultdict(int)
+    load: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])  # (op, rank) -> [calls, rows]
     for s in spans:
         busy[s.op] += s.duration
         calls[s.op] += 1
+        load[(s.op, s.rank)][0] += 1
+        load[(s.op, s.rank)][1] += s.rows
         first[s.op] = min(first.get(s.op, s.start), s.start)
         last[s.op] = max(last.get(s.op, s.end), s.end)
     for op in sorted(busy):
         m[f"timing/{op}/busy_s"] = busy[op]
         m[f"timing/{op}/span_s"] = last[op] - first[op]
         m[f"timing/{op}/calls"] = calls[op]
+    for (op, rank), (n_calls, n_rows) in sorted(load.items()):
+        m[f"load/{op}/rank_{rank}/calls"] = n_calls
+        m[f"load/{op}/rank_{rank}/rows"] = n_rows
     for op, records in sorted(op_metrics.items()):
         merged: dict[str, list[float]] = defaultdict(list)
         for rec in records:  # one per rank or per call: average them
             for k, v in flatten_metrics(op, rec).items():
                 merged[k].append(v)
-        m.update({k: sum(v) / len(v) for k, v in sorted(merged.items())})
+        # counts (names ending in _count) add up over calls; everything else is averaged
+        m.update({k: sum(v) if k.endswith("_count") else sum(v) / len(v) for k, v in sorted(merged.items())})
     m["timing/step_s"] = wall_s
+    n_dropped = sum((dropped or {}).values())
     m["samples/real"] = real_rows
+    m["samples/trained"] = real_rows - n_dropped
+    m["samples/dropped"] = n_dropped
+    for reason, count in sorted((dropped or {}).items()):
+        m[f"samples/dropped/{reason}"] = count
     m["samples/padding"] = pad_rows
     m["throughput/samples_per_s"] = (real_rows + pad_rows) / wall_s if wall_s > 0 else 0.0
     m["driver/payload_bytes"] = driver_payload_bytes

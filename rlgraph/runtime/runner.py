@@ -67,7 +67,8 @@ class _Inflight:
 @dataclass
 class _StepState:
     spans: list[Span] = field(default_factory=list)
-    summaries: dict[str, list[float]] = field(default_factory=dict)
+    summaries: dict[str, dict[int, float]] = field(default_factory=dict)  # column -> row -> value
+    dropped: dict[int, tuple[str, str]] = field(default_factory=dict)  # row -> (reason, op that dropped it)
     op_metrics: dict[str, list[Any]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)
     result_bytes: int = 0
@@ -94,6 +95,7 @@ class Runner:
         self.pgs: list[Any] = []
         self.all_spans: list[Span] = []
         self._plan_json = plan.model_dump_json()
+        self._downstream = _downstream_ops(plan)
         self.reporter: Reporter = options.reporter or Reporter()
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,7 +133,9 @@ class Runner:
         for pool in self.plan.pools:
             bundles = [{"CPU": max(b.num_cpus, 0.01), **({"GPU": b.num_gpus} if b.num_gpus else {})}
                        for b in pool.bundles]
-            pg = placement_group(bundles, strategy="PACK", name=f"rlgraph-{pool.name}")
+            # the compiler put the pool on one node (packed) or over several (spread, or too big for one)
+            strategy = "SPREAD" if len({b.node for b in pool.bundles}) > 1 else "PACK"
+            pg = placement_group(bundles, strategy=strategy, name=f"rlgraph-{pool.name}")
             self.pgs.append(pg)
             pg_of_pool[pool.name] = pg
         for pool, pg in pg_of_pool.items():
@@ -276,9 +280,14 @@ class Runner:
             self.plane.clear(partition)
         self.all_spans += state.spans
         real = sum(1 for p in is_padding if not p)
-        return step_metrics(step, summaries=state.summaries, op_metrics=state.op_metrics, spans=state.spans,
+        summaries = {c: [v for r, v in sorted(vals.items()) if r not in state.dropped]
+                     for c, vals in state.summaries.items()}
+        reasons: dict[str, int] = {}
+        for reason, _ in state.dropped.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return step_metrics(step, summaries=summaries, op_metrics=state.op_metrics, spans=state.spans,
                             wall_s=time.time() - t0, real_rows=real, pad_rows=len(is_padding) - real,
-                            driver_payload_bytes=payload_bytes_in_this_process() - bytes0,
+                            dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - bytes0,
                             driver_result_bytes=state.result_bytes, schedule=self.schedule)
 
     def _dispatch(self, book: StepBook, step: int, partition: str, uids: list[int],
@@ -287,8 +296,14 @@ class Runner:
 
         st = _StepState()
         idle = {g.name: set(range(g.dp)) for g in self.plan.groups}
+        sent = {(g.name, r): 0 for g in self.plan.groups for r in range(g.dp)}  # rows handed to each rank
         inflight: dict[Any, _Inflight] = {}
         parts_left: dict[tuple[str, int], int] = {}
+
+        def tags(op_name: str, part: tuple[int, ...]) -> list[bool]:
+            # a row dropped by an op is padding for the ops that depend on that op
+            return [is_padding[i] or (i in st.dropped and op_name in self._downstream[st.dropped[i][1]])
+                    for i in part]
         while not book.finished:
             for chunk in book.all_runnable():
                 op = self.plan.op(chunk.op)
@@ -300,8 +315,8 @@ class Runner:
                     shards = [chunk.rows[r * len(chunk.rows) // dp:(r + 1) * len(chunk.rows) // dp]
                               for r in range(dp)]
                     targets = list(zip(range(dp), shards))
-                elif free:
-                    targets = [(min(free), chunk.rows)]
+                elif free:  # by load: the idle rank that has been handed the fewest rows this step
+                    targets = [(min(free, key=lambda r: (sent[(op.group, r)], r)), chunk.rows)]
                 else:
                     continue
                 book.start(chunk)
@@ -309,9 +324,10 @@ class Runner:
                 batch_inputs = {c: st.batch_values[c] for c in op.inputs if c in st.batch_values}
                 for rank, part in targets:
                     free.discard(rank)
+                    sent[(op.group, rank)] += len(part)
                     ref = self.workers[op.group][rank].run_chunk.remote(
                         op.name, step, partition, chunk.index, list(part), [uids[i] for i in part],
-                        [is_padding[i] for i in part], batch_inputs)
+                        tags(op.name, part), batch_inputs)
                     inflight[ref] = _Inflight(chunk, op.group, rank, part)
             if book.finished:
                 break
@@ -330,7 +346,11 @@ class Runner:
                 idle[info.group].add(info.rank)
                 st.spans.append(result.span)
                 for col, vals in result.summaries.items():
-                    st.summaries.setdefault(col, []).extend(vals)
+                    st.summaries.setdefault(col, {}).update(vals)
+                for row, (reason, whole_group) in result.dropped.items():
+                    for r in (range(len(uids)) if whole_group else (row,)):
+                        if (r == row or uids[r] == uids[row]) and not is_padding[r] and r not in st.dropped:
+                            st.dropped[r] = (reason, info.chunk.op)
                 if result.metrics:
                     st.op_metrics.setdefault(info.chunk.op, []).append(result.metrics)
                 st.batch_values.update(result.batch_values)
@@ -410,6 +430,27 @@ class Runner:
         calls.append(self.source.load_state_dict.remote(load_state(ckpt, "source")))
         self._get(calls, f"restoring checkpoint {ckpt}")
         return int(meta["step"])
+
+
+def _downstream_ops(plan: Plan) -> dict[str, set[str]]:
+    """Op -> every op that reads its outputs, directly or through other ops."""
+    readers: dict[str, set[str]] = {op.name: set() for op in plan.ops}
+    for op in plan.ops:
+        for col in op.inputs:
+            producer = plan.columns[col].producer if col in plan.columns else None
+            if producer in readers:
+                readers[producer].add(op.name)
+    out: dict[str, set[str]] = {}
+    for name in readers:
+        seen: set[str] = set()
+        todo = list(readers[name])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += readers[n]
+        out[name] = seen
+    return out
 
 
 def prepare(plan: Plan) -> None:

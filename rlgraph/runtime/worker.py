@@ -37,8 +37,9 @@ class CallResult:
 
     span: Span
     metrics: dict[str, Any] = field(default_factory=dict)  # metric columns the op produced
-    summaries: dict[str, list[float]] = field(default_factory=dict)  # column -> per-row sum
+    summaries: dict[str, dict[int, float]] = field(default_factory=dict)  # column -> row -> sum over tokens
     batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data outputs
+    dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)  # row -> (reason, whole group?)
 
 
 def _row_sums(value: Any) -> list[float]:
@@ -101,12 +102,13 @@ class GroupWorker:
                and self.plan.columns[c].stored}
         if put and rows:
             self.client.put(partition, rows, put)
-        real = [i for i, p in enumerate(is_padding) if not p]
+        dropped = dict(self.invoker.last_dropped)
+        real = [i for i, p in enumerate(is_padding) if not p and i not in dropped]
         summaries = {}
         for c in SUMMARIES:
             if c in out:
                 sums = _row_sums(out[c]) if real else []
-                summaries[c] = [sums[i] for i in real]
+                summaries[c] = {rows[i]: sums[i] for i in real}
         result = CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
                       start=start, end=time.time()),
@@ -114,6 +116,7 @@ class GroupWorker:
             summaries=summaries,
             batch_values={c: v for c, v in out.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
+            dropped={rows[i]: why for i, why in dropped.items()},
         )
         return result
 

@@ -108,3 +108,12 @@ def test_place_is_pure(ppo) -> None:
     assert place(g) == (groups, pools, cluster)
     assert [gp.name for gp in groups] == ["actor", "critic", "reward", "advantage"]
     assert cluster.num_nodes == 1 and cluster.cpus_per_node == 8.0
+
+
+def test_spread_pool_goes_round_robin_over_the_nodes(ppo) -> None:
+    over = ["cluster.num_nodes=3", "groups.reward.dp=4", "groups.reward.num_cpus=0.5"]
+    packed = compile_pipeline(ppo, over)
+    assert _nodes(packed)["reward"] == [0, 0, 0, 0]
+    spread = compile_pipeline(ppo, over + ["groups.reward.placement=spread"])
+    assert _nodes(spread)["reward"] == [0, 1, 2, 0]
+    assert _nodes(spread)["actor"] == [0]  # other pools still packed

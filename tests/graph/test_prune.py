@@ -19,9 +19,9 @@ def _pruned(pipeline) -> set[str]:
 
 def test_ppo_prunes_entropy_and_rollout_log_probs(ppo) -> None:
     stored = prune(build(ppo))
-    # 6 source columns (4 + uid, is_padding) + generate 7 + reward 2 + old_logprob 2 + ref 1 + values 1
-    # + advantage 4 + update_critic 2 + update_actor 2 = 27 columns
-    assert len(stored) == 27
+    # 6 source columns (4 + uid, is_padding) + generate 7 + reward 3 + old_logprob 2 + ref 1 + values 1
+    # + advantage 4 + update_critic 2 + update_actor 2 = 28 columns
+    assert len(stored) == 28
     # nobody reads entropy (no entropy bonus op) or rollout_log_probs, and neither is an output
     assert _pruned(ppo) == {"entropy", "rollout_log_probs"}
 

@@ -1,0 +1,37 @@
+"""Reward functions with verl's signature that misbehave on purpose (for the reward-serving tests).
+
+"Odd" samples are those whose ground truth (an integer, from the ``add`` task) is odd.
+"""
+
+import asyncio
+import time
+
+from rlgraph.ops.rewards import compute_score
+
+
+def raise_on_odd(data_source, solution_str, ground_truth, extra_info=None):
+    if int(ground_truth) % 2:
+        raise ValueError(f"odd ground truth {ground_truth}")
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def stall_on_odd(data_source, solution_str, ground_truth, extra_info=None):
+    if int(ground_truth) % 2:
+        time.sleep(30)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def slow(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.05)
+    return {"score": compute_score(data_source, solution_str, ground_truth, extra_info), "slow": 1.0}
+
+
+async def async_stall_on_odd(data_source, solution_str, ground_truth, extra_info=None):
+    if int(ground_truth) % 2:
+        await asyncio.sleep(30)
+    await asyncio.sleep(0.01)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def not_a_number(data_source, solution_str, ground_truth, extra_info=None):
+    return "high"
