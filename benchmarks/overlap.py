@@ -42,7 +42,7 @@ class Config:
 def configs(quick: bool) -> list[Config]:
     if quick:
         return [Config("B=8 n=2 σ=1.25, 2+1 workers", batch=8, n=2, sigma=1.25, pools=2, rollout_dp=2, train_dp=1)]
-    base = Config("base: B=16 n=4 σ=0.75 4 pools")
+    base = Config("base (B=16 n=4 σ=0.75)")
     return [
         base,
         Config("B=32", batch=32),

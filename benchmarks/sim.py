@@ -171,6 +171,9 @@ def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_no
     - 2: rollout | train (old_logprob, ref, reward model, update);
     - 3: rollout | train (old_logprob, ref, update) | reward model;
     - 4: rollout | train (old_logprob, update) | ref | reward model.
+
+    Colocated ops share one worker group rather than naming a shared `pool`: the runner tracks
+    idle ranks per group, so groups on one pool could run at the same time.
     """
     if pools not in (2, 3, 4):
         raise ValueError("pools must be 2, 3 or 4")

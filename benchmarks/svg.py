@@ -18,10 +18,10 @@ def bar_chart(path: Path, title: str, groups: Sequence[str], series: dict[str, S
     # a "nice" axis maximum
     mag = 10 ** len(str(int(top))) / 10 if top >= 1 else 0.1
     ymax = next(m * mag for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 15, 20) if m * mag >= top)
-    left, right, ptop, bottom = 60, 20, 50, 110
+    left, right, ptop, bottom = 60, 20, 50, 150
     gw = max(60, 18 * n_s + 24)
     width = left + right + gw * n_g
-    height = 380
+    height = 430
     ph = height - ptop - bottom
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="11">',

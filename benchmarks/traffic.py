@@ -114,9 +114,8 @@ payload (`driver/payload_bytes`) and the small call results it receives (`driver
 timing spans, metric records, one float per real row). The classic driver is a benchmark-only
 `Runner` subclass (`benchmarks/traffic.py: ClassicRunner`) that fetches every call's input
 columns before dispatching it and every call's output columns when it returns, as a trainer
-passing `DataProto`s through `ray.get` does. The share is (payload + results) / bytes moved; for the classic driver
-the payload it gathers exceeds what the workers move, since it reads each column once per consumer and
-once from its producer.
+passing `DataProto`s through `ray.get` does. The share is (payload + results) / bytes moved; the classic driver's payload is
+about what the workers move, since it reads each column once from its producer and once per consumer.
 """
     return common.Section("traffic", "3. Controller traffic", intro, [t], "",
                           common.command_line(argv if argv is not None else ["traffic"] + (["--quick"] if quick else [])))
