@@ -58,7 +58,10 @@ TRAINER_PARAMS: Mapping[str, Param] = MappingProxyType(
         "seed": Param(int, 0, "global seed; data order, sampling and shuffles derive from it"),
         "critic_warmup": Param(int, 0, "steps that update only the critic; ops gated on it are skipped", minimum=0),
         "val_every": Param(int, 0, "run validation every k steps (0: never)", minimum=0),
-        "save_every": Param(int, 0, "checkpoint every k steps (0: never)", minimum=0),
+        "save_every": Param(int, 0, "checkpoint every k steps (0: never); a failure that needs a restore "
+                            "replays the steps since the latest checkpoint", minimum=0),
+        "max_retries": Param(int, 2, "failures (an op raised, a worker died) tolerated per step before the run "
+                             "fails; each one re-runs the lost work", minimum=0),
         "schedule": Param(str, "stream", "stream: ops start on partial data; sync: a barrier after each stage",
                           choices=("stream", "sync")),
     }

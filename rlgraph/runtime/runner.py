@@ -11,8 +11,20 @@ One step (docs/runtime.md):
 4. metrics, trace and timeline are written, the partition is cleared; checkpoints and
    validation run every k steps.
 
-Every wait has a timeout naming what it waited for. An op that raises fails the step with the
-op, rank, step and sample ids; the run then shuts down what it started.
+Every wait has a timeout naming what it waited for. Failures are retried, at most
+``trainer.max_retries`` times per step (docs/runtime.md, "Failures and restarts"):
+
+- an op that raised, if it does not change worker state (not an update), is called again on
+  the same rows: its inputs are still in the data plane;
+- a dead worker's group is restarted (every rank: they share a process group); a group that
+  keeps no state (reward, advantage) then re-runs its unfinished calls;
+- otherwise (a stateful group died, an update raised) every worker and the data source are
+  restored from the latest checkpoint (or restarted from the initial state when there is
+  none), the steps since then are replayed, and the step runs again. Ops are seeded per
+  (step, op, chunk), so the result equals that of an undisturbed run.
+
+Past the bound the run fails with the last error and says so; the run then shuts down what it
+started.
 """
 
 from __future__ import annotations
@@ -27,17 +39,48 @@ from typing import Any
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.book import Chunk, StepBook
-from rlgraph.runtime.checkpoint import latest_checkpoint, load_state, save_state
+from rlgraph.runtime.checkpoint import CHECKPOINT_FORMAT, latest_checkpoint, load_state, read_meta, save_state
 from rlgraph.runtime.cluster import RayHandle, check_cluster, start_ray
 from rlgraph.runtime.metrics import MetricsWriter, step_metrics, write_curve_svg
 from rlgraph.runtime.progress import Reporter
 from rlgraph.runtime.trace import Span, write_chrome_trace, write_timeline_svg
 
-__all__ = ["RunOptions", "Runner", "StepTimeout", "run_plan"]
+__all__ = ["Fault", "RunOptions", "Runner", "StepTimeout", "WorkerDiedError", "run_plan"]
 
 
 class StepTimeout(RLGraphError):
     """A wait inside a step exceeded its limit; the message says what was pending."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fault injection (a test hook): break `op`'s call on chunk `chunk` of step `step` (on any rank,
+    or on `rank`), `times` times. ``raise``: the call fails before the body runs; ``kill``: the
+    worker's process exits before the body runs; ``kill_after``: it exits after writing the outputs."""
+
+    op: str
+    step: int
+    chunk: int = 0
+    kind: str = "raise"
+    rank: int | None = None
+    times: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("raise", "kill", "kill_after"):
+            raise ValueError(f"Fault.kind={self.kind!r}; use raise, kill or kill_after")
+
+
+class WorkerDiedError(RLGraphError):
+    """A worker actor's process ended while it ran an op call (crash, OOM kill, node loss)."""
+
+
+class _Restore(Exception):
+    """Internal: the step cannot be repaired in place; restore from a checkpoint and replay."""
+
+    def __init__(self, cause: BaseException, dead: set[str]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.dead = dead  # groups (or "source") whose actors died
 
 
 @dataclass
@@ -54,6 +97,8 @@ class RunOptions:
     reporter: Any = None  # a rlgraph.runtime.progress.Reporter; default: none
     on_ray_started: Any = None  # called once Ray is up (the CLI re-installs its signal handlers:
     #                             ray.init replaces the driver's SIGTERM handler with its own)
+    max_retries: int | None = None  # default: the plan's trainer.max_retries
+    faults: list[Fault] = field(default_factory=list)  # fault injection (tests)
 
 
 @dataclass
@@ -62,6 +107,7 @@ class _Inflight:
     group: str
     rank: int
     part: tuple[int, ...]
+    batch_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +118,8 @@ class _StepState:
     op_metrics: dict[str, list[Any]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)
     result_bytes: int = 0
+    retries: int = 0  # calls run again after a failure
+    restarts: int = 0  # worker actors restarted
 
 
 class Runner:
@@ -96,6 +144,14 @@ class Runner:
         self.all_spans: list[Span] = []
         self._plan_json = plan.model_dump_json()
         self._downstream = _downstream_ops(plan)
+        self.max_retries = int(options.max_retries if options.max_retries is not None
+                               else trainer.get("max_retries", 2))
+        self._faults = {f: f.times for f in options.faults}
+        self._attempts: dict[int, int] = {}  # step -> failures so far
+        self._stateful: dict[str, bool] = {}  # group -> keeps state (must be restored, not just restarted)
+        self._pg_of_pool: dict[str, Any] = {}
+        self._initial_source_state: Any = None
+        self._records: dict[int, dict[str, Any]] = {}
         self.reporter: Reporter = options.reporter or Reporter()
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,10 +169,6 @@ class Runner:
     def start(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from rlgraph.runtime.source import SourceWorker
-        from rlgraph.runtime.worker import GroupWorker
 
         self.ray = start_ray(self.plan, self.opts.address)
         if self.opts.on_ray_started:
@@ -124,10 +176,6 @@ class Runner:
         check_cluster(self.plan)  # before any actor: fail with a list, never hang
         if self.plane is None:
             self.plane = self._start_dataplane()
-        handle = self.plane.handle()
-        group_of_pool: dict[str, list[str]] = {}
-        for g in self.plan.groups:
-            group_of_pool.setdefault(g.pool, []).append(g.name)
         timeout = self.opts.timeout_s
         pg_of_pool = {}
         for pool in self.plan.pools:
@@ -144,28 +192,82 @@ class Runner:
             except ray.exceptions.GetTimeoutError:
                 raise StepTimeout(f"placement group for pool {pool!r} was not ready after {timeout:g}s; "
                                   f"`ray status` shows what is pending") from None
-        worker_cls = ray.remote(GroupWorker)
+        self._pg_of_pool = pg_of_pool
         for g in self.plan.groups:
-            share = len(group_of_pool[g.pool])  # colocated groups time-share the pool's bundles
-            bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
-            self.workers[g.name] = [
-                worker_cls.options(
-                    name=None,
-                    num_cpus=max(bundle[r].num_cpus, 0.01) / share,
-                    num_gpus=bundle[r].num_gpus / share,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg_of_pool[g.pool], placement_group_bundle_index=r),
-                    max_restarts=0,
-                ).remote(self._plan_json, g.name, r, g.dp, handle)
-                for r in range(g.dp)
-            ]
-        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
-        # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
+            self._create_group(g.name)
+        self._create_source()
         names = list(self.workers)
+        self._setup_groups(names)
+        self._initial_source_state = self._get([self.source.state_dict.remote()], "the data source to start")[0]
+        has_state = self._get([self.workers[g][0].has_instance_state.remote() for g in names],
+                              "worker state inventory")
+        state_ops = {op.name for op in self.plan.ops
+                     if any(self.plan.columns[c].kind == "state" for c in [*op.inputs, *op.outputs])}
+        for g, inst in zip(names, has_state):
+            self._stateful[g] = bool(inst) or any(o in state_ops for o in self.plan.group(g).ops)
+
+    def _create_group(self, name: str) -> None:
+        """Start the actors of worker group `name` (not yet set up) on its pool's bundles."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlgraph.runtime.worker import GroupWorker
+
+        g = self.plan.group(name)
+        share = sum(1 for x in self.plan.groups if x.pool == g.pool)  # colocated groups time-share bundles
+        bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
+        self.workers[name] = [
+            ray.remote(GroupWorker).options(
+                name=None,
+                num_cpus=max(bundle[r].num_cpus, 0.01) / share,
+                num_gpus=bundle[r].num_gpus / share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg_of_pool[g.pool], placement_group_bundle_index=r),
+                max_restarts=0,  # restarts are the runner's: it restores state and re-runs the work
+            ).remote(self._plan_json, name, r, g.dp, self.plane.handle())
+            for r in range(g.dp)
+        ]
+
+    def _create_source(self) -> None:
+        import ray
+
+        from rlgraph.runtime.source import SourceWorker
+
+        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, self.plane.handle())
+
+    def _setup_groups(self, names: list[str]) -> None:
+        # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
         meet = self._get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
         setups = [w.setup.remote(*meet[i]) for i, g in enumerate(names) for w in self.workers[g]]
-        self._get(setups + [self.source.state_dict.remote()],
-                  "worker start-up (op imports, worker classes' setup: model loading)")
+        self._get(setups, "worker start-up (op imports, worker classes' setup: model loading)")
+
+    def _restart_groups(self, names: list[str]) -> None:
+        """Kill every actor of the groups `names` (all ranks: they share a process group) and start
+        them again on the same bundles; their state is what setup gives (restore it afterwards)."""
+        import ray
+
+        for g in names:
+            for w in self.workers[g]:
+                ray.kill(w, no_restart=True)
+            self._create_group(g)
+        if names:
+            self._setup_groups(names)
+
+    def _dead(self) -> set[str]:
+        """Groups with an actor that no longer answers, plus "source" if the data source died."""
+        import ray
+
+        refs = {("source", 0): self.source.state_dict.remote()}
+        for g, ws in self.workers.items():
+            for r, w in enumerate(ws):
+                refs[(g, r)] = w.ping.remote()
+        dead = set()
+        for (g, _), ref in refs.items():
+            try:
+                ray.get(ref, timeout=self.opts.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.add(g)
+        return dead
 
     def _start_dataplane(self) -> Any:
         from rlgraph.runtime.dataplane import (RayObjectStoreDataPlane, TransferQueueConfig,
@@ -227,20 +329,40 @@ class Runner:
         if self.opts.resume:
             ckpt = latest_checkpoint(out)
             if ckpt is not None:
+                _check_same_config(ckpt, read_meta(ckpt), self.plan)
                 start_step = self._restore(ckpt) + 1
         writer = MetricsWriter(out / "metrics.jsonl", resume_after=start_step - 1 if self.opts.resume else None)
         records = []
         self.reporter.start(self.steps, start_step)
+        self._run_start = start_step
+        import ray
+
         try:
-            for step in range(start_step, self.steps):
-                record = self.step(step)
+            step = start_step
+            pending: _Restore | None = None
+            while step < self.steps:
+                try:
+                    if pending is not None:
+                        self._recover(step, out, pending)
+                        pending = None
+                    record = self.step(step)
+                except _Restore as r:  # counted where it was raised
+                    pending = r
+                    continue
+                except ray.exceptions.RayActorError as e:  # an actor died outside an op call
+                    self._count_failure(step, e)
+                    pending = _Restore(e, set())
+                    continue
+                record["faults/retries"] = self._attempts.get(step, 0)
                 if self.val_every and (step + 1) % self.val_every == 0:
                     record.update(self.validate(step))
                 writer.write(record)
                 records.append(record)
+                self._records[step] = record
                 self.reporter.step_done(record)
                 if self.save_every and (step + 1) % self.save_every == 0:
                     self._checkpoint(out, step)
+                step += 1
         finally:
             self.reporter.close()
             all_records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
@@ -259,7 +381,8 @@ class Runner:
         """Run one step (all ops, or only `ops`) on its own partition; returns its metrics."""
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
-        partition = partition or f"train_{step}"
+        # a retried step gets a fresh partition: calls abandoned by the failed attempt may still write
+        partition = partition or f"train_{step}" + (f"_retry{self._attempts[step]}" if self._attempts.get(step) else "")
         rows = self._padded_rows(step)
         t0 = time.time()
         bytes0 = payload_bytes_in_this_process()
@@ -285,10 +408,12 @@ class Runner:
         reasons: dict[str, int] = {}
         for reason, _ in state.dropped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
-        return step_metrics(step, summaries=summaries, op_metrics=state.op_metrics, spans=state.spans,
-                            wall_s=time.time() - t0, real_rows=real, pad_rows=len(is_padding) - real,
-                            dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - bytes0,
-                            driver_result_bytes=state.result_bytes, schedule=self.schedule)
+        m = step_metrics(step, summaries=summaries, op_metrics=state.op_metrics, spans=state.spans,
+                         wall_s=time.time() - t0, real_rows=real, pad_rows=len(is_padding) - real,
+                         dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - bytes0,
+                         driver_result_bytes=state.result_bytes, schedule=self.schedule)
+        m["faults/restarts"] = state.restarts
+        return m
 
     def _dispatch(self, book: StepBook, step: int, partition: str, uids: list[int],
                   is_padding: list[bool]) -> _StepState:
@@ -304,6 +429,14 @@ class Runner:
             # a row dropped by an op is padding for the ops that depend on that op
             return [is_padding[i] or (i in st.dropped and op_name in self._downstream[st.dropped[i][1]])
                     for i in part]
+
+        def submit(info: _Inflight, batch_inputs: dict[str, Any]) -> None:
+            c = info.chunk
+            ref = self.workers[info.group][info.rank].run_chunk.remote(
+                c.op, step, partition, c.index, list(info.part), [uids[i] for i in info.part],
+                tags(c.op, info.part), batch_inputs, self._take_fault(c.op, step, c.index, info.rank))
+            inflight[ref] = info
+            info.batch_inputs = batch_inputs
         while not book.finished:
             for chunk in book.all_runnable():
                 op = self.plan.op(chunk.op)
@@ -325,10 +458,7 @@ class Runner:
                 for rank, part in targets:
                     free.discard(rank)
                     sent[(op.group, rank)] += len(part)
-                    ref = self.workers[op.group][rank].run_chunk.remote(
-                        op.name, step, partition, chunk.index, list(part), [uids[i] for i in part],
-                        tags(op.name, part), batch_inputs)
-                    inflight[ref] = _Inflight(chunk, op.group, rank, part)
+                    submit(_Inflight(chunk, op.group, rank, part), batch_inputs)
             if book.finished:
                 break
             if not inflight:
@@ -341,7 +471,13 @@ class Runner:
                                   f"{running}; pending: {book.unfinished()}")
             for ref in done:
                 info = inflight.pop(ref)
-                result = self._get([ref], f"{info.chunk.op} on {info.group}[{info.rank}]")[0]
+                try:
+                    result = self._get([ref], f"{info.chunk.op} on {info.group}[{info.rank}]")[0]
+                except (RLGraphError, ray.exceptions.RayError) as e:
+                    if isinstance(e, StepTimeout):
+                        raise
+                    self._repair(step, e, info, inflight, submit, st)
+                    continue
                 st.result_bytes += len(pickle.dumps(result))
                 idle[info.group].add(info.rank)
                 st.spans.append(result.span)
@@ -360,6 +496,93 @@ class Runner:
                     book.complete(info.chunk)
                     self.reporter.chunk_done(step, info.chunk.op)
         return st
+
+    # ------------------------------------------------------------------ failures
+    def _take_fault(self, op: str, step: int, chunk: int, rank: int) -> str | None:
+        for f, left in self._faults.items():
+            if left > 0 and (f.op, f.step, f.chunk) == (op, step, chunk) and f.rank in (None, rank):
+                self._faults[f] = left - 1
+                return f.kind
+        return None
+
+    def _count_failure(self, step: int, e: BaseException) -> None:
+        """Record a failure of `step`; past trainer.max_retries, raise it (as what it is) for good."""
+        n = self._attempts[step] = self._attempts.get(step, 0) + 1
+        if n > self.max_retries:
+            msg = (f"{e}\n(step {step} failed {n} times; gave up after trainer.max_retries={self.max_retries} "
+                   f"retries. Fix the cause above, or raise trainer.max_retries if the failures are transient)")
+            if isinstance(e, RLGraphError):
+                raise type(e)(msg) from None
+            raise RLGraphError(f"{type(e).__name__}: {msg}") from None
+
+    def _repair(self, step: int, e: BaseException, info: _Inflight, inflight: dict[Any, _Inflight],
+                submit: Any, st: _StepState) -> None:
+        """A call failed: re-run it in place when that is safe, else abort the step for a restore."""
+        import ray
+
+        died = isinstance(e, ray.exceptions.RayActorError)
+        if died:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            e = WorkerDiedError(f"worker {info.group}[{info.rank}] died while running op {info.chunk.op!r} at step "
+                                f"{step} (chunk {info.chunk.index}, {len(info.part)} rows): {type(e).__name__}: "
+                                f"{first} (its log is under /tmp/ray/session_latest/logs)")
+        self._count_failure(step, e)
+        op = self.plan.op(info.chunk.op)
+        stateful = self._stateful[info.group]
+        # an update (or any call that may have changed worker state before failing) cannot simply run again
+        changes_state = (any(self.plan.columns[c].kind == "state" for c in op.outputs)
+                         or op.batching.mini_batch_samples is not None or (op.mode == "barrier" and stateful))
+        if died and stateful:
+            raise _Restore(e, {info.group})
+        if not died and changes_state:
+            raise _Restore(e, set())
+        lost = [info]
+        if died:  # a group that keeps no state: restart it, then run again what it had in flight
+            for ref in [r for r, i in inflight.items() if i.group == info.group]:
+                lost.append(inflight.pop(ref))
+            self._restart_groups([info.group])
+            st.restarts += len(self.workers[info.group])
+        for i in lost:
+            st.retries += 1
+            submit(i, i.batch_inputs)
+
+    def _recover(self, step: int, out: Path, r: _Restore) -> None:
+        """Restore every worker and the source to the latest checkpoint (or the initial state) and
+        replay the steps since then, so that `step` can run again as if nothing had happened."""
+        dead = self._dead() | r.dead
+        ckpt = latest_checkpoint(out)
+        ckpt_step = _checkpoint_step(ckpt) if ckpt is not None else None
+        if ckpt_step is not None and ckpt_step >= step:  # written by a later attempt: not ours
+            ckpt, ckpt_step = None, None
+        groups = sorted(g for g in dead if g in self.workers)
+        if ckpt is None:  # nothing saved: back to the state the run started from
+            groups = list(self.workers)
+        self._restart_groups(groups)
+        if "source" in dead:
+            import ray
+
+            ray.kill(self.source, no_restart=True)
+            self._create_source()
+        if ckpt is not None:
+            replay_from = self._restore(ckpt) + 1
+        else:
+            if self._run_start != 0:
+                raise RLGraphError(f"step {step} failed ({r.cause}) and there is no checkpoint to restore "
+                                   f"from in {out}; set trainer.save_every to make runs recoverable")
+            self._get([self.source.load_state_dict.remote(self._initial_source_state)],
+                      "the data source to rewind")
+            replay_from = 0
+        spans = len(self.all_spans)
+        for s in range(replay_from, step):  # same seeds, same data: the same state as before the failure
+            again = self.step(s)
+            before = self._records.get(s, {})
+            key = "score/mean"
+            if key in before and again.get(key) != before[key]:
+                import warnings
+
+                warnings.warn(f"replayed step {s} gave {key}={again.get(key)}, the first run "
+                              f"{before[key]}: the ops are not deterministic", stacklevel=2)
+        del self.all_spans[spans:]
 
     def _sync_state(self, book: StepBook) -> None:
         """Move state columns from their producer's group to consumer groups elsewhere."""
@@ -408,8 +631,8 @@ class Runner:
                 save_state({"columns": cols, "instances": inst}, tmp, f"{g}_{r}")
         src = self._get([self.source.state_dict.remote()], "the data source's position")[0]
         save_state(src, tmp, "source")
-        (tmp / "meta.json").write_text(json.dumps({"format": "rlgraph.checkpoint.v1", "step": step,
-                                                   "pipeline": self.plan.pipeline}))
+        (tmp / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step,
+                                                   "pipeline": self.plan.pipeline, "config": self.plan.config}))
         if d.exists():
             import shutil
 
@@ -420,7 +643,7 @@ class Runner:
     def _restore(self, ckpt: Path) -> int:
         import json
 
-        meta = json.loads((ckpt / "meta.json").read_text())
+        meta = read_meta(ckpt)
         calls = []
         for g, ws in self.workers.items():
             for r, w in enumerate(ws):
@@ -430,6 +653,43 @@ class Runner:
         calls.append(self.source.load_state_dict.remote(load_state(ckpt, "source")))
         self._get(calls, f"restoring checkpoint {ckpt}")
         return int(meta["step"])
+
+
+# config keys that may differ between a checkpoint and the run resuming it: they do not change results
+_RESUMABLE_KEYS = ("trainer.steps", "trainer.val_every", "trainer.save_every", "trainer.max_retries",
+                   "trainer.schedule")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _check_same_config(ckpt: Path, meta: dict[str, Any], plan: Plan) -> None:
+    """--resume continues a run only with the config that wrote the checkpoint (steps may grow)."""
+    from rlgraph.runtime.checkpoint import CheckpointError
+
+    if meta.get("pipeline") not in (None, plan.pipeline):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} was written by pipeline {meta['pipeline']!r}, not "
+                              f"{plan.pipeline!r}; resume with the plan that wrote it, or use another output dir")
+    if "config" not in meta:
+        return
+    old, new = _flat(meta["config"]), _flat(plan.config)
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in _RESUMABLE_KEYS)
+    if diff:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:6])
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} was written with another config ({shown}{' ...' if len(diff) > 6 else ''}); "
+            f"--resume continues a run only with the same config (trainer.steps may change). Resume with the "
+            f"original overrides, or start a fresh run in another output dir")
+
+
+def _checkpoint_step(ckpt: Path) -> int:
+    return int(read_meta(ckpt)["step"])
 
 
 def _downstream_ops(plan: Plan) -> dict[str, set[str]]:

@@ -59,7 +59,6 @@ class GroupWorker:
         self.group, self.rank, self.dp = group, rank, dp
         self.client = handle.connect()
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
-        self.fail_at: tuple[str, int, int] | None = None  # fault injection: (op, step, chunk)
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (asked of rank 0 for its group)."""
@@ -80,14 +79,19 @@ class GroupWorker:
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                   uids: Sequence[int], is_padding: Sequence[bool],
-                  batch_inputs: dict[str, Any] | None = None) -> CallResult:
+                  batch_inputs: dict[str, Any] | None = None, fault: str | None = None) -> CallResult:
+        """Run `op_name` on `rows`. `fault` is the runner's fault-injection hook (tests): ``raise``
+        makes the call fail before the body runs; ``kill`` / ``kill_after`` end this actor's
+        process before the body runs / after the outputs are written."""
         start = time.time()
         op = self.plan.op(op_name)
         rows = tuple(rows)
+        if fault == "kill":
+            os._exit(17)
         try:
             sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
             inputs = self.client.get(RowBatch(partition, rows), sample_inputs) if sample_inputs and rows else {}
-            if self.fail_at == (op_name, step, chunk):
+            if fault == "raise":
                 raise RuntimeError(f"injected failure in {op_name} step {step} chunk {chunk}")
             out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs)
         except Exception as e:
@@ -102,6 +106,8 @@ class GroupWorker:
                and self.plan.columns[c].stored}
         if put and rows:
             self.client.put(partition, rows, put)
+        if fault == "kill_after":
+            os._exit(17)
         dropped = dict(self.invoker.last_dropped)
         real = [i for i, p in enumerate(is_padding) if not p and i not in dropped]
         summaries = {}
@@ -144,9 +150,12 @@ class GroupWorker:
             if inst is not None and callable(getattr(inst, "load_state_dict", None)):
                 inst.load_state_dict(st)
 
-    def inject_failure(self, op: str, step: int, chunk: int) -> None:
-        """Test hook: make the next call of (op, step, chunk) on this worker raise."""
-        self.fail_at = (op, step, chunk)
+    def has_instance_state(self) -> bool:
+        """Whether a worker class here keeps state beyond its op calls (a ``state_dict``)."""
+        return any(callable(getattr(inst, "state_dict", None)) for inst in self.invoker.instances.values())
+
+    def ping(self) -> bool:
+        return True
 
     def close(self) -> None:
         self.client.close()
