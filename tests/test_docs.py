@@ -321,14 +321,16 @@ def test_stage_table_matches_the_code():
     outputs | namespace |; column names in backticks."""
     from rlgraph.ops import stages
 
-    rows = re.findall(r"^\| `(\w+)\(\)` \|(.*)$", (DOCS / "dsl.md").read_text(), re.M)
+    rows = re.findall(r"^\| `(\w+)\((?:\{[^)]*\})?\)` \|(.*)$", (DOCS / "dsl.md").read_text(), re.M)
     documented = {name for name, _ in rows}
     expected = {n for n in stages.__all__ if n not in ("COLUMNS", "ESTIMATORS", "prompt_source")}
     assert documented == expected, f"stage table rows {sorted(documented)} vs rlgraph.ops.stages {sorted(expected)}"
     for name, rest in rows:
         cells = [c.strip() for c in rest.strip().strip("|").split("|")]
         granularity, group, inputs, outputs, namespace = cells[:5]
-        spec = getattr(stages, name)()
+        # combine_rewards takes its score columns as an argument: the row documents the example's
+        spec = (stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5}) if name == "combine_rewards"
+                else getattr(stages, name)())
         names = lambda cell: set(re.findall(r"`(\w+)`", cell))  # noqa: E731
         assert granularity.split()[0] == spec.granularity, (name, granularity, spec.granularity)
         assert group.strip("`") == spec.group, (name, group, spec.group)
@@ -362,7 +364,8 @@ def test_operators_doc_lists_every_builtin_config_key():
 
     text = (DOCS / "operators.md").read_text()
     specs = [stages.generate(), stages.reward(), stages.old_logprob(), stages.ref(), stages.values(),
-             stages.advantage("gae"), stages.update_critic(), stages.update_actor()]
+             stages.advantage("gae"), stages.update_critic(), stages.update_actor(), stages.reward_model(),
+             stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5})]
     keys = [f"data.{k}" for k in stages.prompt_source().params]
     keys += [f"{s.namespace}.{k}" for s in specs for k in s.params]
     missing = [k for k in keys if f"`{k}`" not in text]

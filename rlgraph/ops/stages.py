@@ -150,6 +150,22 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
     ).with_(**changes)
 
 
+def _validate_reward(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    """Load the reward function at compile time: a wrong path or signature fails `rlgraph compile`
+    and `rlgraph validate`, not step 0 of a run after generation."""
+    from rlgraph.ops.rewards import RewardFnError, load_reward_fn
+
+    fn = params.get("fn")
+    if not isinstance(fn, str):
+        return []
+    try:
+        load_reward_fn(fn)
+    except RewardFnError as e:
+        return [Problem("op-config", str(e), "point <op>.fn at 'module:function' or 'file.py:function' with the "
+                        "signature compute_score(data_source, solution_str, ground_truth, extra_info=None)")]
+    return []
+
+
 def reward(group: str = "reward", name: str = "reward", score_column: str = "token_level_scores",
            **changes: Any) -> OpSpec:
     """Score each sample with a rule-based function (verl's compute_score signature), concurrently.
@@ -188,6 +204,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         },
         impl="rlgraph.ops.reward:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
+        validate=_validate_reward,
         cost=0.5,
     ).with_(**changes)
 
@@ -212,7 +229,11 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
                                 "with its tokenizer"),
             "micro_batch_size": Param(int, 32, "samples per forward pass", minimum=1),
             "offload": Param(bool, True, "on a GPU, keep the model on the CPU between calls (wake, score, sleep)"),
+            "dtype": Param(str, "float32", "weights' dtype", choices=("float32", "bfloat16", "float16")),
+            "check_tokenizer": Param(bool, True, "refuse a reward model whose tokenizer maps the policy's tokens to "
+                                     "other ids (it reads the policy's token ids directly)"),
         },
+        config_key="reward_model",  # the worker class reads its settings there, whatever the op's name
         impl="rlgraph.ops.reward_model:RewardModelWorker.compute_rm_score",
         batching=Batching(micro_batch="micro_batch_size"),
         cost=1.0,

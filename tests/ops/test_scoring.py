@@ -67,3 +67,13 @@ def test_bad_settings_are_errors():
         RewardScorer(f"{FNS}:slow", executor="gpu")
     with pytest.raises(RewardFnError, match="has signature"):
         RewardScorer("rlgraph.ops.rewards:parse_answer")
+
+
+def test_a_bad_reward_function_fails_compilation():
+    from rlgraph import PipelineError, compile
+    from rlgraph.graph.loader import load_pipeline
+
+    pipeline, ref = load_pipeline(str(Path(FNS).with_name("reward_pipeline.py")))
+    with pytest.raises(PipelineError, match=r"op 'reward': reward function 'rlgraph.ops.rewards:parse_answer' has "
+                                            r"signature"):
+        compile(pipeline, ["reward.fn=rlgraph.ops.rewards:parse_answer"], pipeline_ref=ref)
