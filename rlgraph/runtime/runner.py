@@ -420,7 +420,9 @@ class Runner:
         import ray
 
         st = _StepState()
-        idle = {g.name: set(range(g.dp)) for g in self.plan.groups}
+        # a rank runs one call at a time, and so does a pool's bundle: colocated groups time-share it
+        pool_of = {g.name: g.pool for g in self.plan.groups}
+        busy: set[tuple[str, int]] = set()  # (pool, bundle index) running a call
         sent = {(g.name, r): 0 for g in self.plan.groups for r in range(g.dp)}  # rows handed to each rank
         inflight: dict[Any, _Inflight] = {}
         parts_left: dict[tuple[str, int], int] = {}
@@ -440,8 +442,8 @@ class Runner:
         while not book.finished:
             for chunk in book.all_runnable():
                 op = self.plan.op(chunk.op)
-                free = idle[op.group]
                 dp = len(self.workers[op.group])
+                free = {r for r in range(dp) if (pool_of[op.group], r) not in busy}
                 if op.mode == "barrier":
                     if len(free) < dp:
                         continue
@@ -456,7 +458,7 @@ class Runner:
                 parts_left[(chunk.op, chunk.index)] = len(targets)
                 batch_inputs = {c: st.batch_values[c] for c in op.inputs if c in st.batch_values}
                 for rank, part in targets:
-                    free.discard(rank)
+                    busy.add((pool_of[op.group], rank))
                     sent[(op.group, rank)] += len(part)
                     submit(_Inflight(chunk, op.group, rank, part), batch_inputs)
             if book.finished:
@@ -479,7 +481,7 @@ class Runner:
                     self._repair(step, e, info, inflight, submit, st)
                     continue
                 st.result_bytes += len(pickle.dumps(result))
-                idle[info.group].add(info.rank)
+                busy.discard((pool_of[info.group], info.rank))
                 st.spans.append(result.span)
                 for col, vals in result.summaries.items():
                     st.summaries.setdefault(col, {}).update(vals)

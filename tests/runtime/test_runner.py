@@ -89,6 +89,19 @@ def test_outputs_trace_and_timeline(tq_plane, tmp_path):
     assert svg.startswith("<svg") and "actor[1]" in svg and "gen" in svg
 
 
+def test_groups_on_one_pool_take_turns(tq_plane, tmp_path):
+    # score (group reward) and values (group critic) do not depend on each other; on one pool they
+    # must still never run at the same time: they time-share its bundle
+    plan = _plan(*PADDED, "groups.critic.pool=reward")
+    assert [p.name for p in plan.pools if "critic" in p.groups] == ["reward"]
+    _run(plan, tmp_path, tq_plane, steps=1)
+    calls = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "X" and e["name"] in ("score", "values")]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in calls)
+    assert len(spans) >= 4
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), spans
+
+
 def test_raising_op_fails_the_step_with_op_rank_step_and_samples(tq_plane, tmp_path):
     plan = _plan(*PADDED, "gen.fail_step=1")
     with pytest.raises(OpError, match=r"op 'gen' failed on worker actor\[\d\] at step 1 \(chunk \d+, "
