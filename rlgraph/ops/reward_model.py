@@ -427,22 +427,13 @@ def prepare_tiny_reward_model(path: str | Path, task: str = "add", steps: int = 
 
     Runs once per path: a file lock keeps parallel runs from racing, and the model is built in
     ``<path>.partial`` and renamed when done. Nothing is downloaded."""
-    from filelock import FileLock
-
     from rlgraph.ops.models import sft_warmstart
     from rlgraph.ops.tasks import make_rows, sft_examples
+    from rlgraph.ops.tiny import build_once
 
-    out = Path(path).expanduser()
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / "config.json").is_file():  # another run made it while we waited
-            return out
-        tmp = out.with_name(out.name + ".partial")
-        policy = out.with_name(out.name + ".policy")
-        for d in (tmp, policy):
-            shutil.rmtree(d, ignore_errors=True)
+    def build(tmp: Path) -> None:
+        policy = tmp.with_name(tmp.name + ".policy")
+        shutil.rmtree(policy, ignore_errors=True)
         start = time.time()
         try:
             backbone = None
@@ -458,6 +449,6 @@ def prepare_tiny_reward_model(path: str | Path, task: str = "add", steps: int = 
             m = train_reward_model(tmp, task=task, steps=steps, seed=seed, **train)
             print(f"rlgraph: tiny reward model for task {task!r}: {sft_steps} warm-start + {steps} RM steps, loss "
                   f"{m.loss_first:.2f} -> {m.loss_last:.2f}, held-out pairwise accuracy {m.accuracy:.0%}, "
-                  f"{time.time() - start:.0f}s -> {out}", flush=True)
-        tmp.rename(out)
-    return out
+                  f"{time.time() - start:.0f}s -> {path}", flush=True)
+
+    return build_once(path, build)

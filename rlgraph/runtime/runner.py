@@ -12,7 +12,7 @@ One step (docs/runtime.md):
    validation run every k steps.
 
 Every wait has a timeout naming what it waited for. Failures are retried, at most
-``trainer.max_retries`` times per step (docs/runtime.md, "Failures and restarts"):
+``trainer.max_retries`` times per step (docs/runtime.md, "Failures"):
 
 - an op that raised, if it does not change worker state (not an update), is called again on
   the same rows: its inputs are still in the data plane;
@@ -118,7 +118,6 @@ class _StepState:
     op_metrics: dict[str, list[Any]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)
     result_bytes: int = 0
-    retries: int = 0  # calls run again after a failure
     restarts: int = 0  # worker actors restarted
 
 
@@ -545,7 +544,6 @@ class Runner:
             self._restart_groups([info.group])
             st.restarts += len(self.workers[info.group])
         for i in lost:
-            st.retries += 1
             submit(i, i.batch_inputs)
 
     def _recover(self, step: int, out: Path, r: _Restore) -> None:
@@ -643,8 +641,6 @@ class Runner:
         return d
 
     def _restore(self, ckpt: Path) -> int:
-        import json
-
         meta = read_meta(ckpt)
         calls = []
         for g, ws in self.workers.items():
