@@ -88,7 +88,6 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                         f"remove worker group {gr!r} or assign an op to it"))
 
     # Columns ---------------------------------------------------------------------------------
-    op_names = [o.name for o in p.ops]
     produced = list(g.producers)
     missing: list[str] = []
     for o in p.ops:
@@ -110,8 +109,8 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                 add(Problem("column-type-mismatch",
                             f"column {col!r}: {prods[0]!r} writes {have.describe()} but {o.name!r} reads "
                             f"{want.describe()} ({why})",
-                            f"declare the same dtype and shape on both sides (use '*' for a dimension the "
-                            f"consumer does not care about)", op=o.name, column=col))
+                            "declare the same dtype and shape on both sides (use '*' for a dimension the "
+                            "consumer does not care about)", op=o.name, column=col))
             elif o.granularity in ("sample", "group") and have.level == "batch" and have.kind == "data":
                 add(Problem("granularity",
                             f"op {o.name!r} runs per {o.granularity} but reads column {col!r}, which "
@@ -122,7 +121,7 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         if len(prods) > 1:
             add(Problem("column-duplicate-producer",
                         f"column {col!r} is produced by {len(prods)} nodes: {', '.join(repr(x) for x in prods)}",
-                        f"rename one of the outputs (each column has exactly one producer)", column=col))
+                        "rename one of the outputs (each column has exactly one producer)", column=col))
     for col in p.outputs:
         if col not in g.producers:
             missing.append(col)

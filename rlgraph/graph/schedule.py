@@ -48,7 +48,6 @@ def schedule(g: BuiltGraph) -> tuple[SchedulePlan, dict[str, int], dict[str, lis
     """The schedule, each op's stage index, and each op's concurrent ops. Call after `check`."""
     d = data_dag(g)
     src = g.source
-    ops = [o.name for o in g.pipeline.ops]
     stages: list[list[str]] = []
     for gen in nx.topological_generations(d):
         names = sorted(x for x in gen if x != src)
