@@ -172,7 +172,7 @@ def test_trained_tiny_reward_model_prefers_correct_answers(tmp_path):
     assert rm.prepare_tiny_reward_model(path) == path  # cached: a second call does nothing
     w = worker(path)
     test_rows = tasks.make_rows("add", 24, seed=5, split="test")  # prompts never trained on
-    pairs, wrong = [], []
+    pairs = []
     for r in test_rows:
         content, answer = r["prompt"][0]["content"], r["reward_model"]["ground_truth"]
         far = str(int(answer) + 3) if int(answer) < 10 else str(int(answer) - 4)

@@ -8,7 +8,6 @@ import pytest
 
 from rlgraph import compile
 from rlgraph.graph.loader import load_pipeline
-from rlgraph.ops.rewards import RewardFnError
 from rlgraph.runtime.invoke import OpError
 from rlgraph.runtime.runner import RunOptions, run_plan
 
