@@ -89,7 +89,6 @@ class RewardWorker:
             "scored_count": len(real),
             "error_count": sum(1 for _, o in failed if not o.timed_out),
             "timeout_count": sum(1 for _, o in failed if o.timed_out),
-            "latency_max_s": max((o.seconds for o in outcomes), default=0.0),
         }
         return {score_col: token_level_scores, extra_col: reward_extra, metrics_col: metrics}
 
