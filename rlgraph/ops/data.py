@@ -81,7 +81,8 @@ def read_table_rows(path: str | Path, reader: str = "auto") -> list[dict[str, An
     local. Reading never starts Ray. Ray Data's file-listing task needs one CPU whatever its
     read tasks ask for, so on a cluster whose CPUs are all reserved it would wait forever;
     ``auto`` checks first, and a Ray read still unfinished after `RAY_READ_TIMEOUT_S` falls
-    back to the local reader with a warning instead of hanging.
+    back to the local reader with a warning instead of hanging; a file Ray Data cannot parse
+    (rows whose fields differ in type, a malformed row) is read locally too.
     """
     p = Path(path).expanduser()
     if not p.is_file():
@@ -99,6 +100,10 @@ def read_table_rows(path: str | Path, reader: str = "auto") -> list[dict[str, An
         try:
             rows = _read_with_ray(p, kind)
         except Exception as e:  # Ray Data wraps pyarrow's errors in its own types
+            if reader == "auto":
+                # Ray Data needs one schema for the whole file; the local reader takes rows whose
+                # fields differ in type, and names the exact rows and fields of a malformed file
+                return _read_locally(p, kind)
             raise PromptDataError(f"Ray Data cannot read prompt file {str(p)!r} as {kind}: {type(e).__name__}: {e}"
                                   f"\nfix: give every row's fields the same types, or set data.reader=local "
                                   f"(reads JSONL line by line)") from e

@@ -64,8 +64,9 @@ DATA_CASES = {
                              "row 1: missing 'reward_model.ground_truth'"),
     "reward_model not a dict": ({**GOOD_ROW, "reward_model": "7"},
                                 "row 1: 'reward_model' is '7', not a dict"),
+    # (Ray Data, which reads the file when Ray runs in the process, fills the missing key with None)
     "message without content": ({**GOOD_ROW, "prompt": [{"role": "user"}]},
-                                "row 1: message 0 of 'prompt' is {'role': 'user'}; each message needs a string"),
+                                "row 1: message 0 of 'prompt' is {'role': 'user'"),
 }
 
 
