@@ -116,6 +116,7 @@ def test_overlap_and_traffic_quick(tmp_path, planes):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.bench  # not in the default run: tests/ops/test_examples_e2e.py covers stream = sync on the examples
 def test_real_quick(tmp_path, planes):
     from benchmarks import real
 

@@ -145,6 +145,18 @@ def test_resume_continues_exactly(tq_plane, tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1, 2, 3]
 
 
+def test_resume_with_another_config_is_refused(tq_plane, tmp_path):
+    from rlgraph.runtime.checkpoint import CheckpointError
+
+    _run(_plan(*PADDED, "trainer.save_every=1"), tmp_path, tq_plane, steps=1)
+    with pytest.raises(CheckpointError, match=r"was written with another config \(update\.lr: 0\.1 -> 0\.5\); "
+                                              r"--resume continues a run only with the same config"):
+        _run(_plan(*PADDED, "trainer.save_every=1", "update.lr=0.5"), tmp_path, tq_plane, steps=2, resume=True)
+    # trainer.steps (and other settings that do not change results) may differ
+    assert [r["step"] for r in _run(_plan(*PADDED, "trainer.save_every=2"), tmp_path, tq_plane, steps=2,
+                                     resume=True)] == [1]
+
+
 def test_validation_runs_on_its_own_partition(tq_plane, tmp_path):
     plan = _plan(*PADDED, "trainer.val_every=2")
     recs = _run(plan, tmp_path, tq_plane, steps=2)
