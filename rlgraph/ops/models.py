@@ -37,6 +37,7 @@ __all__ = [
     "build_tiny_model",
     "load_tokenizer",
     "load_causal_lm",
+    "optimizer_step",
     "load_critic",
     "encode_prompt",
     "SFTMetrics",
@@ -243,6 +244,18 @@ class SFTMetrics(NamedTuple):
     out_dir: Path
 
 
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float) -> float:
+    """One step of the small built-in trainers (warm starts, the tiny reward model): set the
+    learning rate, back-propagate, clip the gradient norm to 1, step. Returns the loss."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def sft_warmstart(
     model_dir: str | Path,
     examples: Sequence[tuple[Sequence[dict], str]],
@@ -301,13 +314,7 @@ def sft_warmstart(
         # token t predicts token t+1
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, loss, lr_at(step)))
     seconds = time.perf_counter() - start
 
     # save next to the target, then move the files in: the loaded weights may be memory-mapped

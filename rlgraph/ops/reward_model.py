@@ -42,6 +42,7 @@ from rlgraph.ops.models import (
     build_tiny_model,
     encode_prompt,
     load_tokenizer,
+    optimizer_step,
 )
 from rlgraph.ops.training import section
 
@@ -397,13 +398,7 @@ def train_reward_model(path: str | Path, task: str = "add", steps: int = 300, se
             loss = bce - torch.nn.functional.logsigmoid(s[:, :1] - s[:, 1:]).mean()
             scale = (step + 1) / warmup if step < warmup else \
                 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-            for group in opt.param_groups:
-                group["lr"] = lr * scale
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
+            losses.append(optimizer_step(model, opt, loss, lr * scale))
     seconds = time.perf_counter() - start
     accuracy = pairwise_accuracy(model, tokenizer, held_out)
     tmp = p.with_name(p.name + ".trained")
