@@ -35,8 +35,6 @@ def nbytes(col: Any) -> int:
 
 
 def time_plane(plane: Any, col: Any, rows: int, repeats: int) -> tuple[float, float]:
-    from rlgraph.runtime.dataplane import RowBatch
-
     puts, gets = [], []
     for k in range(repeats + 1):
         part = f"bench_{rows}_{k}_{time.time_ns()}"
@@ -45,7 +43,7 @@ def time_plane(plane: Any, col: Any, rows: int, repeats: int) -> tuple[float, fl
             t0 = time.perf_counter()
             plane.put(part, list(range(rows)), {"x": col})
             t1 = time.perf_counter()
-            out = plane.get(RowBatch(part, tuple(range(rows))), ["x"])
+            out = plane.get(part, tuple(range(rows)), ["x"])
             t2 = time.perf_counter()
         finally:
             plane.clear(part)

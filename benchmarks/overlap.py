@@ -31,6 +31,7 @@ class Config:
     fwd_mb: int = 8  # samples per reward / old_logprob / ref call
     rollout_dp: int = 4
     train_dp: int = 2
+    streaming: bool = False  # generation by continuous batching, each group handed on as it finishes
 
     def overrides(self, time_scale: float) -> list[str]:
         return [f"data.batch_size={self.batch}", f"generate.n={self.n}", f"generate.sigma={self.sigma}",
@@ -41,7 +42,9 @@ class Config:
 
 def configs(quick: bool) -> list[Config]:
     if quick:
-        return [Config("B=8 n=2 σ=1.25, 2+1 workers", batch=8, n=2, sigma=1.25, pools=2, rollout_dp=2, train_dp=1)]
+        return [Config("B=8 n=2 σ=1.25, 2+1 workers", batch=8, n=2, sigma=1.25, pools=2, rollout_dp=2, train_dp=1),
+                Config("per-group streaming, B=8 n=2 σ=1.25, 2+1 workers", batch=8, n=2, sigma=1.25, pools=2,
+                       rollout_dp=2, train_dp=1, streaming=True)]
     base = Config("base (B=16 n=4 σ=0.75)")
     return [
         base,
@@ -51,6 +54,9 @@ def configs(quick: bool) -> list[Config]:
         Config("σ=1.25 (heavy tail)", sigma=1.25),
         Config("2 pools", pools=2),
         Config("σ=1.25, 1 prompt/gen call", sigma=1.25, gen_mb=1),
+        Config("per-group streaming, base", streaming=True),
+        Config("per-group streaming, σ=1.25", sigma=1.25, streaming=True),
+        Config("per-group streaming, σ=1.25, 2 pools", sigma=1.25, pools=2, streaming=True),
     ]
 
 
@@ -58,8 +64,8 @@ def run_config(cfg: Config, steps: int, time_scale: float, plane: Any) -> dict[s
     import rlgraph
     from rlgraph.runtime.runner import Runner
 
-    plan = rlgraph.compile(sim.pipeline(cfg.pools, cfg.rollout_dp, cfg.train_dp, cpus_per_node=8),
-                           cfg.overrides(time_scale))
+    plan = rlgraph.compile(sim.pipeline(cfg.pools, cfg.rollout_dp, cfg.train_dp, cpus_per_node=8,
+                                        streaming=cfg.streaming), cfg.overrides(time_scale))
     rows: dict[str, list[float]] = {k: [] for k in ("stream", "sync", "bound", "cp", "pool", "sim_stream",
                                                     "sim_sync", "overhead")}
     busiest = ""
@@ -87,8 +93,8 @@ def run_config(cfg: Config, steps: int, time_scale: float, plane: Any) -> dict[s
                 rows["bound"].append(lb["bound"])
                 rows["cp"].append(lb["critical_path"])
                 rows["pool"].append(lb["pool_bound"])
-                rows["sim_stream"].append(sim.simulate(plan, jobs, "stream"))
-                rows["sim_sync"].append(sim.simulate(plan, jobs, "sync"))
+                rows["sim_stream"].append(sim.simulate(plan, step, "stream"))
+                rows["sim_sync"].append(sim.simulate(plan, step, "sync"))
     out = {k: statistics.mean(v) for k, v in rows.items()}
     # ratios per step, then averaged (each step has its own draws)
     out["stream/bound"] = statistics.mean(s / b for s, b in zip(rows["stream"], rows["bound"]))
@@ -134,7 +140,10 @@ per group on a CPU worker. Every op call holds its worker for a modelled time (`
 driven by per-sample response lengths drawn from a log-normal (median {c.median_len} tokens,
 sigma σ, at most {c.max_len}) seeded by (seed, step, row): generate lasts
 `{c.gen_prefill_s} + {c.gen_token_s} x longest response` s per call of 2 prompts (decoding a batch
-takes as long as its longest answer), reward/old_logprob/ref `{c.fwd_call_s} + {c.fwd_token_s} x
+takes as long as its longest answer); in the **per-group streaming** rows generation is a rollout
+engine with continuous batching instead (issue 12): one call per rollout worker decodes all of its
+prompts at once and hands each group on when its longest sample is done (`{c.gen_prefill_s} +
+{c.gen_token_s} x` the group's longest response after the call starts). reward/old_logprob/ref `{c.fwd_call_s} + {c.fwd_token_s} x
 tokens` s per call of 8 samples, the update `{c.upd_token_s} x tokens` s per rank; all times
 x {time_scale} (time scale). The real runtime runs it (Runner, TransferQueue, one Ray actor per
 simulated GPU, 64 logical CPUs); each configuration runs {steps} measured steps under both
@@ -145,8 +154,9 @@ schedules, interleaved, after one warm-up step.
   start + their work / the pool's workers + shortest remaining path after them, over subsets);
   **busiest pool** is the pool with the most work per worker. No schedule of these calls on
   these pools can be faster.
-- **ideal stream / bound**, **ideal sync / bound**: the runtime's dispatch policy (ops in plan
-  order, chunks in row order, lowest idle rank; `sync` opens a stage when the previous ones
+- **ideal stream / bound**, **ideal sync / bound**: the runtime's own scheduler
+  (`rlgraph.runtime.scheduler`: ops in plan order, chunks in row order, the least-loaded idle
+  rank, parts released as they are handed on; `sync` opens a stage when the previous ones
   finished) replayed with zero overhead on the same draws: the gap due to the policy alone.
   `ideal sync / bound` is also the most any schedule could gain over `sync` for that workload.
 - **overhead / call**: mean measured call span (data-plane get and put, dispatch) minus the

@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
-NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale"]
+NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,11 @@ ops i-1 and i//2 (a deep chain with long skip edges), per sample with micro-batc
 fifth op per group, the last op a barrier; ops spread over 8 worker groups. The dp sweep compiles a
 10-op graph whose first group has dp workers.
 
-Scheduler overhead: the driver's bookkeeping for one step with the runtime's `StepBook`, replaying
-the runner's loop without Ray (after each completion: `all_runnable()`, `start` what it returns,
-then `complete` the oldest running chunk), with unlimited workers. Per op call = loop time /
-calls; large plans stop after a time budget (the calls done so far are the measured ones).
+Scheduler overhead: the driver's bookkeeping for one step with the runtime's `StepScheduler`,
+replaying the runner's event loop without Ray (after each completion: `next_calls()`, then
+`call_done` of the oldest running call), with the plan's workers (one call per rank at a time).
+Per op call = loop time / calls; large plans stop after a time budget (the calls done so far are the
+measured ones).
 """
 
 from __future__ import annotations
@@ -63,25 +64,26 @@ def never_run(*args: Any, **kw: Any) -> None:  # pragma: no cover - the syntheti
 
 
 def scheduler_overhead(plan: Any, budget_s: float) -> tuple[float, int, int, float]:
-    """(seconds per op call, calls measured, calls in the step, StepBook construction seconds)."""
-    from rlgraph.runtime.book import StepBook
+    """(seconds per op call, calls measured, calls in the step, scheduler construction seconds)."""
+    from collections import deque
+
+    from rlgraph.runtime.scheduler import StepScheduler
 
     b = plan.batch
     uids = [p for p in range(b.batch_size) for _ in range(b.n)] + list(range(b.batch_size, b.batch_size + b.pad_rows))
+    padding = [False] * (b.batch_size * b.n) + [True] * b.pad_rows
     t0 = time.perf_counter()
-    book = StepBook(plan, uids, step=0, schedule="stream")
+    sched = StepScheduler(plan, uids, padding, step=0, schedule="stream")
     t_build = time.perf_counter() - t0
-    total = sum(len(st.chunks) for st in book.ops.values() if not st.skipped)
-    running: list[Any] = []
+    total = sum(sched.chunk_counts().values())
+    running: deque[Any] = deque()
     done = 0
     t0 = time.perf_counter()
-    while not book.finished:
-        for c in book.all_runnable():
-            book.start(c)
-            running.append(c)
+    while not sched.finished:
+        running.extend(sched.next_calls())
         if not running:
             raise RuntimeError("synthetic step cannot progress")
-        book.complete(running.pop(0))
+        sched.call_done(running.popleft())
         done += 1
         if time.perf_counter() - t0 > budget_s:
             break
@@ -104,7 +106,7 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
     dps = [1, 64] if quick else [1, 8, 64, 256, 1024]
     budget = 0.5 if quick else 5.0
     t1 = common.Table(["ops", "dp (first group)", "compile s", "plan JSON KB", "columns", "edges",
-                       "op calls / step", "calls measured", "scheduler µs / op call", "StepBook build ms"])
+                       "op calls / step", "calls measured", "scheduler µs / op call", "scheduler build ms"])
     for n_ops in sizes:
         pipe, _ = synthetic(n_ops)
         secs, plan = _time_compile(pipe, 1 if n_ops >= 300 else 3)
@@ -125,9 +127,9 @@ Compile time (best of up to 3; `rlgraph.compile`: build, check, prune, batch, sc
 and the size of the plan's JSON, for synthetic pipelines of 10 to {sizes[-1]} ops on 8 worker
 groups ({ROWS} samples per step, 16 rows per streaming call), and for a 10-op pipeline whose first
 group has up to {dps[-1]} workers (the padded batch grows to a multiple of dp). Scheduler overhead:
-the driver's per-step bookkeeping (`rlgraph.runtime.book.StepBook`) replayed as the runner's
-dispatch loop does it, without Ray: time per op call (stopped after {budget:g} s for large plans; the
-measured calls are the first ones, when the most chunks are pending).
+the driver's per-step bookkeeping and dispatch (`rlgraph.runtime.scheduler.StepScheduler`) replayed as
+the runner's event loop drives it, without Ray: time per op call (stopped after {budget:g} s for large
+plans; the measured calls are the first ones, when the most chunks are pending).
 """
     return common.Section("scale", "6. Scale: compile time, plan size, scheduler overhead", intro, [t1], "",
                           common.command_line(argv if argv is not None else ["scale"] + (["--quick"] if quick else [])))

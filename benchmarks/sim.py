@@ -7,7 +7,10 @@ log-normal (long-tailed, as in real generation), seeded by (trainer.seed, step, 
 sleeps for the time the cost model gives its rows:
 
 - generate (per group, `micro_batch_size` prompts per call): decoding a batch lasts as long as
-  its longest response: ``gen_prefill_s + gen_token_s * max(length)``;
+  its longest response: ``gen_prefill_s + gen_token_s * max(length)``; with ``streaming=True``
+  (a rollout engine with continuous batching) one call per rank decodes all of its groups at
+  once and hands each on when its longest sample is done (``gen_prefill_s + gen_token_s *
+  max(length of the group)`` after the call starts), the call ending with the last;
 - reward, old_logprob, ref (per sample): a forward pass over the call's tokens:
   ``fwd_call_s + fwd_token_s * sum(length)`` (ref and the reward model cost the same);
 - advantage (per group): ``adv_call_s``;
@@ -18,9 +21,9 @@ for a cluster; Ray gets many logical CPUs and each worker is one slot of its poo
 
 `lower_bound` computes, from the same draws and the plan's fixed chunks, the critical path and
 a per-pool bound (earliest start + load / slots + shortest remaining path, over subsets of the
-pool's calls); no schedule on these pools can beat their maximum. `simulate` replays the
-runtime's dispatch policy (ops in plan order, chunks in row order, lowest idle rank; `sync`
-opens a stage when the previous ones finished) with zero overhead.
+pool's calls); no schedule on these pools can beat their maximum. `simulate` runs the runtime's
+own scheduler (`rlgraph.runtime.scheduler`: ops in plan order, chunks in row order, the least-loaded
+idle rank; `sync` opens a stage when the previous ones finished) with zero overhead.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from typing import Any, Sequence
 
 import torch
 
-from rlgraph import Cluster, DataSource, Pipeline, T, WorkerGroup, op
-from rlgraph.runtime.invoke import stable_seed
+from rlgraph import Batching, Cluster, DataSource, Pipeline, T, WorkerGroup, op, op_spec
+from rlgraph.seeds import stable_seed
 
 R = "response_len"
 
@@ -111,6 +114,37 @@ source = DataSource(columns={"prompt_ids": T.int64("prompt_len")}, impl=SimPromp
 SIM = T.float32().metric()
 
 
+def group_finish_times(rows: Sequence[int], uids: Sequence[int], lens: Sequence[int], is_padding: Sequence[bool],
+                       c: Cost) -> list[tuple[float, list[int]]]:
+    """Continuous batching: when each group of a call (positions in `rows`) is done, earliest first."""
+    groups: dict[int, list[int]] = {}
+    for k, r in enumerate(rows):
+        groups.setdefault(uids[r], []).append(k)
+    out = []
+    for ks in groups.values():
+        done = 0.0 if is_padding[rows[ks[0]]] else op_seconds("generate", [lens[rows[k]] for k in ks], c)
+        out.append((done, ks))
+    return sorted(out, key=lambda x: (x[0], x[1][0]))
+
+
+@op(outputs={"responses": T.int64(R), "gen_sim": SIM}, granularity="group", group="rollout",
+    group_size_param="n", batching=Batching(micro_batch="micro_batch_size", per_rank=True))
+def generate_groups(prompt_ids: T.int64("prompt_len"), uid: T.int64(), *, n: int = 4, micro_batch_size: int = 2,
+                    median_len: int = 256, sigma: float = 0.75, max_len: int = 4096, gen_prefill_s: float = 0.02,
+                    gen_token_s: float = 0.0008, fwd_call_s: float = 0.005, fwd_token_s: float = 0.00004,
+                    adv_call_s: float = 0.002, upd_token_s: float = 0.00012, time_scale: float = 1.0, ctx=None):
+    """A rollout engine with continuous batching: all of the rank's groups decode at once, each is
+    handed on when its longest sample is done (the call ends with the last)."""
+    c = _cost(ctx.config)
+    lens = lengths_for(int(ctx.config["trainer"]["seed"]), ctx.step, ctx.rows, ctx.is_padding, c)
+    uids = uid.tolist()
+    start = time.time()
+    for done, ks in group_finish_times(range(len(ctx.rows)), uids, lens, ctx.is_padding, c):
+        time.sleep(max(0.0, start + done - time.time()))
+        yield ks, {"responses": [torch.full((lens[k],), 7, dtype=torch.int64) for k in ks]}
+    return {"gen_sim": time.time() - start}
+
+
 @op(outputs={"responses": T.int64(R), "gen_sim": SIM}, granularity="group", group="rollout",
     group_size_param="n")
 def generate(prompt_ids: T.int64("prompt_len"), *, n: int = 4, micro_batch_size: int = 2,
@@ -165,8 +199,10 @@ def update(responses: T.int64(R), old_log_probs: T.float32(R), ref_log_prob: T.f
 OPS = [generate, reward, old_logprob, ref, advantage, update]
 
 
-def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_node: float = 64) -> Pipeline:
-    """GRPO-shaped simulated pipeline on `pools` disjoint GPU pools (2, 3 or 4) plus a CPU pool:
+def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_node: float = 64,
+             streaming: bool = False) -> Pipeline:
+    """GRPO-shaped simulated pipeline on `pools` disjoint GPU pools (2, 3 or 4) plus a CPU pool
+    (`streaming`: generation by continuous batching, handing on each group as it finishes):
 
     - 2: rollout | train (old_logprob, ref, reward model, update);
     - 3: rollout | train (old_logprob, ref, update) | reward model;
@@ -181,6 +217,8 @@ def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_no
     ops.append(reward if pools >= 3 else _regroup(reward, "train"))
     ops.append(ref if pools >= 4 else _regroup(ref, "train"))
     ops = sorted(ops, key=lambda o: [f.__name__ for f in OPS].index(_name(o)))
+    if streaming:
+        ops[0] = op_spec(generate_groups).with_(name="generate")
     groups = [WorkerGroup("rollout", dp=rollout_dp, num_cpus=0.1), WorkerGroup("train", dp=train_dp, num_cpus=0.1),
               WorkerGroup("cpu", dp=1, num_cpus=0.1)]
     if pools >= 3:
@@ -189,7 +227,7 @@ def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_no
         groups.append(WorkerGroup("ref", dp=1, num_cpus=0.1))
     return Pipeline(name=f"sim{pools}", source=source, ops=ops, groups=groups,
                     cluster=Cluster(num_nodes=1, cpus_per_node=cpus_per_node, gpus_per_node=0),
-                    config={"data": {"batch_size": 16}})
+                    config={"data": {"batch_size": 16}}, summaries={"token_level_scores": "score"})
 
 
 def _name(o: Any) -> str:
@@ -213,6 +251,15 @@ class Job:
     width: int  # ranks it holds at once (barriers: all of the group's)
     dur: float
     preds: list[int]
+    rows: frozenset[int] = frozenset()
+    parts: dict[int, float] | None = None  # a streaming call: row -> when it is handed on (from the start)
+
+
+def _avail(p: Job, j: Job) -> float:
+    """How long after `p` starts the rows `j` needs from it exist: its end, or their parts' times."""
+    if p.parts is None:
+        return p.dur
+    return max(p.parts[r] for r in p.rows & j.rows)
 
 
 def step_layout(plan: Any, step: int) -> tuple[list[int], list[bool]]:
@@ -228,7 +275,7 @@ def step_layout(plan: Any, step: int) -> tuple[list[int], list[bool]]:
 
 def jobs_for_step(plan: Any, step: int) -> list[Job]:
     """The step's op calls (the runtime's fixed chunks) with modelled durations and dependencies."""
-    from rlgraph.runtime.book import make_chunks
+    from rlgraph.runtime.scheduler import make_chunks
 
     c = _cost(plan.config)
     seed = int(plan.config["trainer"]["seed"])
@@ -242,12 +289,17 @@ def jobs_for_step(plan: Any, step: int) -> list[Job]:
         for ch in make_chunks(o, uids):
             rows = set(ch.rows)
             preds = sorted({j for col in o.inputs for (rs, j) in producer_chunks.get(col, []) if rs & rows})
+            parts = None
             if o.mode == "barrier":
                 shards = [ch.rows[r * len(ch.rows) // g.dp:(r + 1) * len(ch.rows) // g.dp] for r in range(g.dp)]
                 dur, width = max(op_seconds(o.name, [lens[i] for i in s], c) for s in shards), g.dp
+            elif o.streams:
+                times = group_finish_times(ch.rows, uids, lens, pad, c)
+                parts = {ch.rows[k]: t for t, ks in times for k in ks}
+                dur, width = max(t for t, _ in times), 1
             else:
                 dur, width = op_seconds(o.name, [lens[i] for i in ch.rows], c), 1
-            jobs.append(Job(o.name, ch.index, g.pool, width, dur, preds))
+            jobs.append(Job(o.name, ch.index, g.pool, width, dur, preds, frozenset(rows), parts))
             for col in o.outputs:
                 producer_chunks.setdefault(col, []).append((rows, len(jobs) - 1))
     return jobs
@@ -256,15 +308,16 @@ def jobs_for_step(plan: Any, step: int) -> list[Job]:
 def lower_bound(plan: Any, jobs: list[Job]) -> dict[str, float]:
     """Critical path, per-pool bound, and their maximum (a lower bound on the step's makespan)."""
     head = [0.0] * len(jobs)
-    for i, j in enumerate(jobs):
-        head[i] = max((head[p] + jobs[p].dur for p in j.preds), default=0.0)
+    for i, j in enumerate(jobs):  # a job starts once the rows it reads exist (parts: before its producer ends)
+        head[i] = max((head[p] + _avail(jobs[p], j) for p in j.preds), default=0.0)
     succs: list[list[int]] = [[] for _ in jobs]
     for i, j in enumerate(jobs):
         for p in j.preds:
             succs[p].append(i)
-    tail = [0.0] * len(jobs)
+    tail = [0.0] * len(jobs)  # the least work left after a job ends (a successor may start before)
     for i in reversed(range(len(jobs))):
-        tail[i] = max((jobs[s].dur + tail[s] for s in succs[i]), default=0.0)
+        tail[i] = max((max(0.0, _avail(jobs[i], jobs[s]) - jobs[i].dur + jobs[s].dur + tail[s]) for s in succs[i]),
+                      default=0.0)
     cp = max(head[i] + jobs[i].dur + tail[i] for i in range(len(jobs)))
     slots = {p.name: len(p.bundles) for p in plan.pools}
     pool_lb, busiest, busiest_load = 0.0, "", 0.0
@@ -282,41 +335,34 @@ def lower_bound(plan: Any, jobs: list[Job]) -> dict[str, float]:
             "busiest_load": busiest_load, "bound": max(cp, pool_lb)}
 
 
-def simulate(plan: Any, jobs: list[Job], schedule: str) -> float:
-    """Makespan of the runtime's dispatch policy with zero overhead (an event simulation)."""
-    groups = {g.name: g for g in plan.groups}
-    group_of = {o.name: o.group for o in plan.ops}
-    stage_of = {o.name: o.stage for o in plan.ops}
-    order = {o.name: k for k, o in enumerate(plan.ops)}
-    free = {g: set(range(groups[g].dp)) for g in groups}
-    done_t: dict[int, float] = {}
-    started: set[int] = set()
-    running: list[tuple[float, int, list[int]]] = []  # (end, job, ranks)
-    now = 0.0
-    ops_left = {o: sum(1 for j in jobs if j.op == o) for o in order}
-    while len(done_t) < len(jobs):
-        for i in sorted(range(len(jobs)), key=lambda i: (order[jobs[i].op], i)):
-            j = jobs[i]
-            if i in started or any(p not in done_t for p in j.preds):
-                continue
-            if schedule == "sync" and any(ops_left[o] for o in order if stage_of[o] < stage_of[j.op]):
-                continue
-            f = free[group_of[j.op]]
-            if j.width > 1:
-                if len(f) < j.width:
-                    continue
-                ranks = sorted(f)
-            elif f:
-                ranks = [min(f)]
+def simulate(plan: Any, step: int, schedule: str) -> float:
+    """Makespan of the runtime's own scheduler (`StepScheduler`) with zero overhead: an event
+    simulation in which each call holds its rank for its modelled duration."""
+    import heapq
+
+    from rlgraph.runtime.scheduler import StepScheduler
+
+    c = _cost(plan.config)
+    uids, pad = step_layout(plan, step)
+    lens = lengths_for(int(plan.config["trainer"]["seed"]), step, range(len(uids)), pad, c)
+    sched = StepScheduler(plan, uids, pad, step, schedule)
+    events: list[tuple[float, int, Any, Any]] = []  # (time, tie-break, call, rows of a part or None: the end)
+    now, k = 0.0, 0
+    while not sched.finished:
+        for call in sched.next_calls():
+            if plan.op(call.chunk.op).streams:
+                times = group_finish_times(call.rows, uids, lens, pad, c)
+                for t, ks in times:
+                    heapq.heappush(events, (now + t, k, call, [call.rows[x] for x in ks]))
+                    k += 1
+                end = now + max(t for t, _ in times)
             else:
-                continue
-            f.difference_update(ranks)
-            started.add(i)
-            running.append((now + j.dur, i, ranks))
-        running.sort()
-        end, i, ranks = running.pop(0)
-        now = end
-        done_t[i] = end
-        ops_left[jobs[i].op] -= 1
-        free[group_of[jobs[i].op]].update(ranks)
+                end = now + op_seconds(call.chunk.op, [lens[i] for i in call.rows], c)
+            heapq.heappush(events, (end, k, call, None))
+            k += 1
+        now, _, call, rows = heapq.heappop(events)
+        if rows is not None:
+            sched.rows_done(call.chunk.op, rows)
+        else:
+            sched.call_done(call)
     return now

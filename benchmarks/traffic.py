@@ -32,33 +32,28 @@ def _sample_columns(plan: Any, cols: list[str]) -> list[str]:
 class ClassicRunner(Runner):
     """The driver gathers every stage's outputs and ships every call's inputs."""
 
-    def _dispatch(self, book: Any, step: int, partition: str, uids: list[int], is_padding: list[bool]) -> Any:
-        from rlgraph.runtime.dataplane import RowBatch
+    def _submit(self, call: Any, sched: Any, step: int, partition: str, rec: Any, inflight: Any) -> None:
+        cols = _sample_columns(self.plan, self.plan.op(call.chunk.op).inputs)
+        if cols and call.rows:
+            self.fleet.plane.get(partition, call.rows, cols)
+        super()._submit(call, sched, step, partition, rec, inflight)
 
-        plane, plan = self.plane, self.plan
-        start, complete = book.start, book.complete
+    def _finish(self, call: Any, result: Any, sched: Any, rec: Any) -> None:
+        cols = _sample_columns(self.plan, self.plan.op(call.chunk.op).outputs)
+        if cols and call.rows:
+            self.fleet.plane.get(self._partition, call.rows, cols)
+        super()._finish(call, result, sched, rec)
 
-        def start_via_driver(chunk: Any) -> None:
-            cols = _sample_columns(plan, plan.op(chunk.op).inputs)
-            if cols and chunk.rows:
-                plane.get(RowBatch(partition, chunk.rows), cols)
-            start(chunk)
-
-        def complete_via_driver(chunk: Any) -> None:
-            cols = _sample_columns(plan, plan.op(chunk.op).outputs)
-            if cols and chunk.rows:
-                plane.get(RowBatch(partition, chunk.rows), cols)
-            complete(chunk)
-
-        book.start, book.complete = start_via_driver, complete_via_driver
-        return super()._dispatch(book, step, partition, uids, is_padding)
+    def step(self, step: int, partition: str | None = None, ops: Any = None) -> Any:
+        self._partition = partition or f"train_{step}"
+        return super().step(step, self._partition, ops)
 
 
 def worker_bytes(runner: Runner) -> int:
     """Column payload put or got so far by the run's workers and source actor."""
     import ray
 
-    actors = [w for ws in runner.workers.values() for w in ws] + [runner.source]
+    actors = [w for ws in runner.fleet.workers.values() for w in ws] + [runner.fleet.source]
     fn = lambda self: __import__("rlgraph.runtime.dataplane", fromlist=["x"]).payload_bytes_in_this_process()  # noqa: E731
     return int(sum(ray.get([a.__ray_call__.remote(fn) for a in actors])))
 

@@ -9,13 +9,14 @@ The advantage op runs per group, so each prompt's n responses are normalised as 
 are all scored, while the rest of the batch is still generating.
 
     rlgraph run examples/grpo.py -o runs/grpo
+    rlgraph run examples/grpo.py -o runs/grpo_vllm rollout.backend=vllm   # after setup.sh --vllm=cpu
     rlgraph compile examples/grpo.py -o build/grpo
 """
 
 from rlgraph import Cluster, Pipeline, WorkerGroup
 from rlgraph.ops import stages
 
-MODEL = "~/.cache/rlgraph/models/tiny-add-grpo"
+MODEL = "~/.cache/rlgraph/models/tiny-add-grpo-v2"
 SFT_STEPS = 100
 
 
@@ -54,4 +55,6 @@ pipeline = Pipeline(
         "trainer": {"steps": 350},
     },
     prepare=prepare,
+    summaries=stages.SUMMARIES,
+    validation=stages.VALIDATION,
 )

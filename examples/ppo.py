@@ -21,7 +21,7 @@ and the advantage math run on small CPU groups.
 from rlgraph import Cluster, Pipeline, WorkerGroup
 from rlgraph.ops import stages
 
-MODEL = "~/.cache/rlgraph/models/tiny-add-ppo"
+MODEL = "~/.cache/rlgraph/models/tiny-add-ppo-v2"
 SFT_STEPS = 100
 
 
@@ -66,4 +66,6 @@ pipeline = Pipeline(
     },
     outputs=["token_level_rewards", "reward_extra"],
     prepare=prepare,
+    summaries=stages.SUMMARIES,
+    validation=stages.VALIDATION,
 )

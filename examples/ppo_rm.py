@@ -45,7 +45,7 @@ latency); ``score/mean`` is the combined score.
 from rlgraph import Cluster, Pipeline, WorkerGroup
 from rlgraph.ops import stages
 
-MODEL = "~/.cache/rlgraph/models/tiny-add-ppo"  # the same warm-started policy as examples/ppo.py
+MODEL = "~/.cache/rlgraph/models/tiny-add-ppo-v2"  # the same warm-started policy as examples/ppo.py
 REWARD_MODEL = "~/.cache/rlgraph/models/tiny-add-rm"
 SFT_STEPS = 100
 RM_STEPS = 300
@@ -99,4 +99,6 @@ pipeline = Pipeline(
     },
     outputs=["token_level_rewards", "rule_reward_extra"],
     prepare=prepare,
+    summaries=stages.SUMMARIES,
+    validation=stages.VALIDATION,
 )

@@ -10,8 +10,7 @@ from rlgraph.graph.compile import compile_pipeline as compile
 from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import Batching, Cluster, DataSource, OpSpec, Pipeline, WorkerGroup, op, op_spec
 from rlgraph.graph.plan import Plan, load_plan
-
-__version__ = "0.1.0"
+from rlgraph.version import __version__
 
 __all__ = [
     "Batching",

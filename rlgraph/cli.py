@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from rlgraph import __version__
+from rlgraph.version import __version__
 from rlgraph.errors import ConfigError, PipelineError, RLGraphError
 from rlgraph.graph import describe as show
 from rlgraph.graph.build import build

@@ -16,6 +16,9 @@ __all__ = [
     "ConfigError",
     "PlanError",
     "PipelineLoadError",
+    "OpError",
+    "StepTimeout",
+    "WorkerDiedError",
 ]
 
 
@@ -67,3 +70,16 @@ class PlanError(RLGraphError, ValueError):
 
 class PipelineLoadError(RLGraphError):
     """A PIPELINE argument (file or module:attr) could not be loaded or is not a Pipeline."""
+
+
+class OpError(RLGraphError):
+    """An op body could not be loaded or bound, failed, or returned something that does not match
+    its declaration. The message names the op, the worker, the step and the rows."""
+
+
+class StepTimeout(RLGraphError):
+    """A wait inside a run exceeded its limit; the message says what was pending."""
+
+
+class WorkerDiedError(RLGraphError):
+    """A worker actor's process ended while it ran an op call (crash, OOM kill, node loss)."""

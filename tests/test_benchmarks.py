@@ -41,15 +41,18 @@ def test_sections_are_replaced_in_place(tmp_path):
     assert table_rows(text, "scale")[2] == ["1", "2.50"]
 
 
-@pytest.mark.parametrize("sigma,pools", [(0.25, 4), (1.25, 4), (1.25, 2)])
-def test_bound_is_below_every_simulated_schedule(sigma, pools):
+@pytest.mark.parametrize("sigma,pools,streaming", [(0.25, 4, False), (1.25, 4, False), (1.25, 2, False),
+                                                   (1.25, 4, True), (1.25, 2, True)])
+def test_bound_is_below_every_simulated_schedule(sigma, pools, streaming):
     import rlgraph
 
-    plan = rlgraph.compile(sim.pipeline(pools, cpus_per_node=8), [f"generate.sigma={sigma}", "data.batch_size=16"])
+    plan = rlgraph.compile(sim.pipeline(pools, cpus_per_node=8, streaming=streaming),
+                           [f"generate.sigma={sigma}", "data.batch_size=16"])
+    assert plan.op("generate").streams == streaming
     for step in range(3):
         jobs = sim.jobs_for_step(plan, step)
         lb = sim.lower_bound(plan, jobs)
-        stream, sync = sim.simulate(plan, jobs, "stream"), sim.simulate(plan, jobs, "sync")
+        stream, sync = sim.simulate(plan, step, "stream"), sim.simulate(plan, step, "sync")
         assert 0 < lb["critical_path"] <= lb["bound"] and lb["pool_bound"] <= lb["bound"]
         assert lb["bound"] <= stream + 1e-9 and stream <= sync + 1e-9
     # the same draws in every process: lengths depend only on (seed, step, row)
@@ -127,3 +130,18 @@ def test_real_quick(tmp_path, planes):
     assert row["example"] == "GRPO" and row["same rewards"] == "yes"
     assert num(row["stream s/step"]) > 0 and num(row["sync s/step"]) > 0
     assert re.match(r"\d", row["sync / stream"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_rollout_quick(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed: bash scripts/setup.sh --vllm=cpu")
+    from benchmarks import rollout
+
+    doc = tmp_path / "perf.md"
+    common.write_section(rollout.run(quick=True), doc)
+    head, *body = [r for i, r in enumerate(table_rows(doc.read_text(), "rollout")) if i != 1]
+    row = dict(zip(head, body[0]))
+    assert num(row["tokens / step"]) > 0
+    assert num(row["hf s / step"]) > 0 and num(row["vllm s / step"]) > 0
+    assert num(row["hf / vllm"]) == pytest.approx(num(row["hf s / step"]) / num(row["vllm s / step"]), rel=0.05)

@@ -148,7 +148,7 @@ def test_describe_config_lists_every_key_with_type_default_value_and_doc():
     assert re.search(r"^ key\s+type\s+default\s+value\s+doc$", out, re.M)
     # default 1e-06 from the stage, 0.0001 from the example's config, 1e-06 from the override
     assert re.search(r"^ actor\.lr\s+float\s+1e-06\s+1e-06 \(override\)\s+learning rate \(>= 0\)$", out, re.M)
-    assert re.search(r"^ rollout\.backend\s+str\s+hf\s+hf\s+.*\(one of hf\)$", out, re.M)
+    assert re.search(r"^ rollout\.backend\s+str\s+hf\s+hf\s+hf: transformers generate", out, re.M)
     assert re.search(r"^ groups\.critic\.dp\s+int\s+1\s+1\s+data-parallel size", out, re.M)
     pipeline, _ = load_pipeline(PPO)
     from rlgraph.graph.build import config_schema
@@ -241,7 +241,7 @@ def test_describe_a_plan_file(plan_file):
     [
         ("{not json", "is not valid JSON (line 1, column 2"),
         ('{"a": 1}', 'is not an rlgraph plan (no "format": "rlgraph.plan")'),
-        ('{"format": "rlgraph.plan", "version": 1, "ops": []}', "is a malformed plan: rlgraph_version: Field required"),
+        ('{"format": "rlgraph.plan", "version": 2, "ops": []}', "is a malformed plan: rlgraph_version: Field required"),
     ],
 )
 def test_describe_a_broken_plan_file(tmp_path, text, message):
@@ -254,7 +254,7 @@ def test_describe_a_plan_of_another_version(plan_file):
     raw = json.loads(plan_file.read_text())
     raw["version"] = 99
     plan_file.write_text(json.dumps(raw))
-    user_error(invoke("describe", str(plan_file)), "is plan format version 99, but this rlgraph reads version 1",
+    user_error(invoke("describe", str(plan_file)), "is plan format version 99, but this rlgraph reads version 2",
                "recompile the pipeline")
 
 

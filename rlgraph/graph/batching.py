@@ -17,7 +17,6 @@ import math
 
 from rlgraph.graph.build import BuiltGraph
 from rlgraph.graph.dsl import OpSpec
-from rlgraph.graph.place import resolved_groups
 from rlgraph.graph.plan import BatchPlan, OpBatching, PaddingTerm
 
 __all__ = ["group_size", "gated", "batch", "op_batching"]
@@ -51,7 +50,7 @@ def batch(g: BuiltGraph) -> BatchPlan:
     n = group_size(g)
     batch_size = int(g.config[f"{g.source}.batch_size"])
     global_batch = batch_size * n
-    dp = {gr.name: gr.dp for gr in resolved_groups(g)}
+    dp = {gr.name: gr.dp for gr in g.groups}
     terms: list[PaddingTerm] = []
     by_group: dict[str, list[OpSpec]] = {}
     for o in g.pipeline.ops:
@@ -87,7 +86,7 @@ def batch(g: BuiltGraph) -> BatchPlan:
 
 def op_batching(g: BuiltGraph, o: OpSpec, plan: BatchPlan) -> OpBatching:
     """How `o` splits the (steady-state) padded batch over its group's ranks."""
-    dp = {gr.name: gr.dp for gr in resolved_groups(g)}.get(o.group or "", 1)
+    dp = {gr.name: gr.dp for gr in g.groups}.get(o.group or "", 1)
     padded = plan.padded_batch
     per_rank = -(-padded // dp)
     b = o.batching
@@ -103,10 +102,11 @@ def op_batching(g: BuiltGraph, o: OpSpec, plan: BatchPlan) -> OpBatching:
             micro_batches=-(-share[1] // micro) if micro else 1,
             updates_per_step=mini_batches * epochs,
         )
+    per = bool(b and b.per_rank)
     if o.granularity == "group":
         # a group op's micro-batch counts groups (prompts); each padding row is a group of its own
         groups_per_rank = -(-(plan.batch_size + plan.pad_rows) // dp)
-        return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro,
+        return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro, per_rank=per,
                           micro_batches=-(-groups_per_rank // micro) if micro else groups_per_rank)
-    return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro,
+    return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro, per_rank=per,
                       micro_batches=-(-per_rank // micro) if micro else None)

@@ -10,6 +10,7 @@ producers) and the check pass turns that into problems.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Mapping
 
 import networkx as nx
@@ -18,8 +19,21 @@ from rlgraph.errors import Problem
 from rlgraph.graph.columns import ColumnType
 from rlgraph.graph.config import Param, flatten, parse_overrides, resolve_config
 from rlgraph.graph.dsl import DATAPLANE_PARAMS, TRAINER_PARAMS, OpSpec, Pipeline
+from rlgraph.graph.packing import Packing, Slot, dataplane_cpus, pack
 
-__all__ = ["BuiltGraph", "config_schema", "build"]
+__all__ = ["BuiltGraph", "ResolvedGroup", "config_schema", "build"]
+
+
+@dataclass(frozen=True)
+class ResolvedGroup:
+    """A worker group with its config applied (``groups.<name>.*``)."""
+
+    name: str
+    dp: int
+    num_cpus: float
+    num_gpus: float
+    pool: str
+    placement: str = "pack"
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,66 @@ class BuiltGraph:
     def connected(self, spec: OpSpec) -> list[str]:
         """The op's inputs that are edges of the graph: produced, and used under its config."""
         return [c for c in spec.inputs if c in self.producers and c not in self.unused_inputs.get(spec.name, ())]
+
+    # Facts every later pass needs, computed once per graph (cached on first use).
+    @cached_property
+    def groups(self) -> tuple[ResolvedGroup, ...]:
+        """The worker groups with their ``groups.<name>.*`` config, first declaration of a name only."""
+        out: dict[str, ResolvedGroup] = {}
+        for gr in self.pipeline.groups:
+            if gr.name in out:
+                continue  # a duplicate: reported by the check pass
+            c = {k: self.config[f"groups.{gr.name}.{k}"] for k in ("dp", "num_cpus", "num_gpus", "pool", "placement")}
+            out[gr.name] = ResolvedGroup(gr.name, int(c["dp"]), float(c["num_cpus"]), float(c["num_gpus"]),
+                                         str(c["pool"]), str(c["placement"]))
+        return tuple(out.values())
+
+    @cached_property
+    def pools(self) -> dict[str, list[ResolvedGroup]]:
+        """Pool name -> the groups placed on it (colocated groups share one pool)."""
+        pools: dict[str, list[ResolvedGroup]] = {}
+        for gr in self.groups:
+            pools.setdefault(gr.pool, []).append(gr)
+        return pools
+
+    @cached_property
+    def data_dag(self) -> nx.DiGraph:
+        """The DAG of data edges only (state edges removed), collapsed to one edge per op pair."""
+        d = nx.DiGraph()
+        d.add_nodes_from(self.dag.nodes)
+        for u, v, attrs in self.dag.edges(data=True):
+            if attrs["kind"] == "data":
+                d.add_edge(u, v)
+        return d
+
+    @cached_property
+    def downstream(self) -> dict[str, frozenset[str]]:
+        """Op -> every op that reads its outputs, directly or through other ops (data edges)."""
+        ops = {o.name for o in self.pipeline.ops}
+        return {name: frozenset(nx.descendants(self.data_dag, name) & ops) for name in ops}
+
+    @cached_property
+    def upstream(self) -> dict[str, frozenset[str]]:
+        """Op -> every op whose outputs it reads, directly or through other ops (data edges)."""
+        ops = {o.name for o in self.pipeline.ops}
+        return {name: frozenset(nx.ancestors(self.data_dag, name) & ops) for name in ops}
+
+    @cached_property
+    def slots(self) -> tuple[Slot, ...]:
+        """One slot per bundle of each pool: ``max(dp)`` bundles, each as large as its largest group's worker."""
+        out: list[Slot] = []
+        for pool, members in self.pools.items():
+            cpus, gpus = max(m.num_cpus for m in members), max(m.num_gpus for m in members)
+            spread = any(m.placement == "spread" for m in members)
+            out += [Slot(pool, i, cpus, gpus, spread) for i in range(max(m.dp for m in members))]
+        return tuple(out)
+
+    @cached_property
+    def packing(self) -> Packing:
+        """The slots packed onto the declared cluster's nodes, after the data plane's reservation."""
+        n = int(self.config["cluster.num_nodes"])
+        nodes = [(float(self.config["cluster.cpus_per_node"]), float(self.config["cluster.gpus_per_node"]))] * n
+        return pack(nodes, self.slots, dataplane_cpus(self.config))
 
 
 def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:
@@ -140,12 +214,3 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
         problems=tuple(problems),
     )
 
-
-def data_dag(g: BuiltGraph) -> nx.DiGraph:
-    """The DAG of data edges only (state edges removed), collapsed to one edge per op pair."""
-    d = nx.DiGraph()
-    d.add_nodes_from(g.dag.nodes)
-    for u, v, attrs in g.dag.edges(data=True):
-        if attrs["kind"] == "data":
-            d.add_edge(u, v)
-    return d

@@ -18,6 +18,9 @@ column-missing              an input column that no op and not the data source p
 column-duplicate-producer   a column produced by two ops (or an op and the data source)
 column-type-mismatch        producer and consumer disagree on dtype, shape or kind
 output-missing              a declared pipeline output that nothing produces
+summary-column              a summary that names a column nothing produces, or one that is
+                            not a per-sample numeric data column
+validation-column           a validation column that no op produces
 op-unused                   an op none of whose outputs is read, kept or a metric
 cycle                       a dependency cycle through data columns
 granularity                 a per-sample or per-group op reads a column that exists only
@@ -39,7 +42,7 @@ from collections import Counter
 import networkx as nx
 
 from rlgraph.errors import PipelineError, Problem
-from rlgraph.graph.build import BuiltGraph, data_dag
+from rlgraph.graph.build import BuiltGraph
 
 __all__ = ["check", "find_problems"]
 
@@ -128,6 +131,28 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
             add(Problem("output-missing", f"pipeline output {col!r} is produced by nothing" + _close(col, produced),
                         f"remove {col!r} from outputs= or add an op that produces it", column=col))
 
+    for col, metric in p.summaries.items():
+        ct = g.column_types.get(col)
+        if ct is None:
+            add(Problem("summary-column", f"summaries names column {col!r} (metric {metric!r}), which nothing "
+                        f"produces" + _close(col, produced),
+                        f"name a column an op produces, or remove {col!r} from summaries=", column=col))
+        elif ct.level != "sample" or ct.kind != "data" or ct.dtype in ("str", "json", "opaque"):
+            add(Problem("summary-column", f"summaries names column {col!r} (metric {metric!r}), which is "
+                        f"{ct.describe()}; a summary sums each row's numbers",
+                        "summarise a per-sample numeric data column (e.g. token_level_scores)", column=col))
+    for metric, count in Counter(p.summaries.values()).items():
+        if count > 1:
+            add(Problem("summary-column", f"{count} summaries are named {metric!r}",
+                        "give each summarised column its own metric name"))
+    for col in p.validation:
+        prods = g.producers.get(col, ())
+        if not prods or prods[0] == src:
+            add(Problem("validation-column", f"validation names column {col!r}, which no op produces"
+                        + _close(col, produced),
+                        f"name the columns validation should produce (e.g. token_level_scores), or remove "
+                        f"{col!r} from validation=", column=col))
+
     # Ops whose every output goes nowhere ----------------------------------------------------
     consumed = {attrs["column"] for _, _, attrs in g.dag.edges(data=True)}
     for o in p.ops:
@@ -141,7 +166,7 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                         op=o.name))
 
     # Cycles (data edges only: state edges cross steps) -----------------------------------------
-    d = data_dag(g)
+    d = g.data_dag
     # the source reads nothing, so a cycle through it only comes from an op named like it
     # (reported above as op-duplicate)
     cycles = [c for c in nx.simple_cycles(d) if src not in c]

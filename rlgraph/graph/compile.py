@@ -17,17 +17,12 @@ from rlgraph.graph.check import check
 from rlgraph.graph.config import nest
 from rlgraph.graph.dsl import Pipeline
 from rlgraph.graph.place import place
-from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan
+from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, ValidationPlan
 from rlgraph.graph.prune import prune
 from rlgraph.graph.schedule import mode_of, schedule
+from rlgraph.version import __version__
 
 __all__ = ["compile_pipeline", "plan_from_graph"]
-
-
-def _version() -> str:
-    from rlgraph import __version__
-
-    return __version__
 
 
 def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
@@ -69,12 +64,16 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
             stage=stage_of.get(o.name, 0),
             concurrent_with=concurrent[o.name],
             skip_before_step=gated(g, o),
+            drops=o.drops,
+            streams=o.streams,
+            downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if o.drops else [],
+            runtime_params=list(o.runtime_params),
             batching=op_batching(g, o, batch_plan),
             cost=o.cost,
             doc=o.doc,
         ))
     return Plan(
-        rlgraph_version=_version(),
+        rlgraph_version=__version__,
         pipeline=g.pipeline.name,
         pipeline_ref=pipeline_ref,
         prepare=g.pipeline.prepare,
@@ -82,6 +81,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
         source=g.pipeline.source.name,
         source_impl=g.pipeline.source.impl,
         source_impl_file=g.pipeline.source.impl_file,
+        source_columns=sorted(g.pipeline.source.all_columns()),
         config=nest(g.config),
         overrides={k: v if isinstance(v, str) else json.dumps(v) for k, v in g.overrides.items()},
         columns=columns,
@@ -92,8 +92,19 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
         batch=batch_plan,
         schedule=sched,
         cluster=cluster,
+        summaries=dict(g.pipeline.summaries),
+        validation=_validation(g),
     )
 
+
+def _validation(g: BuiltGraph) -> ValidationPlan:
+    """The ops validation runs: the producers of the validation columns and everything upstream."""
+    producers = {g.producers[c][0] for c in g.pipeline.validation}
+    needed = set()
+    for op in producers - {g.source}:
+        needed |= {op} | g.upstream[op]
+    return ValidationPlan(columns=list(g.pipeline.validation),
+                          ops=[o.name for o in g.pipeline.ops if o.name in needed])
 
 def compile_pipeline(
     pipeline: Pipeline,

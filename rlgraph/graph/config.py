@@ -27,6 +27,8 @@ class Param:
     """A config parameter: its type (int, float, str or bool), default, doc, and allowed choices.
 
     ``optional=True`` allows ``None`` (written ``null`` or ``none`` on the command line).
+    ``setup=True`` marks a param that a worker class reads once in its ``setup`` (a model path,
+    a rollout backend), so it is not passed to each call of the op's body.
     """
 
     type: type
@@ -35,6 +37,7 @@ class Param:
     choices: tuple[Any, ...] | None = None
     optional: bool = False
     minimum: float | None = None
+    setup: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:

@@ -61,6 +61,9 @@ def _batching(b: OpBatching, granularity: str = "sample") -> str:
     plural = "" if b.micro_batches == 1 else "es"
     micro = (f" in {b.micro_batches} micro-batch{plural} of <={b.micro_batch_size}{unit}"
              if b.micro_batch_size else "")
+    if b.per_rank:  # one call per rank; the body batches inside it
+        inside = f", inside it batches of <={b.micro_batch_size}{unit}" if b.micro_batch_size else ""
+        return f"one call per rank of {b.samples_per_rank}{inside}"
     if b.mini_batch_samples is None:
         return f"per rank {b.samples_per_rank}{micro}"
     lo, hi = b.rank_mini_batch or [b.mini_batch_samples, b.mini_batch_samples]
@@ -85,7 +88,8 @@ def ops_table(plan: Plan) -> Table:
                "concurrent with", "batching")
     for o in plan.ops:
         _row(t, o.name, o.group, o.batching.dp, o.granularity, _mode(o), o.stage, _inputs(o),
-             ", ".join(o.outputs), ", ".join(o.concurrent_with) or "-", _batching(o.batching, o.granularity))
+             ", ".join(o.outputs), ", ".join(o.concurrent_with) or "-",
+             _batching(o.batching, o.granularity) + ("; streams its rows in parts" if o.streams else ""))
     return t
 
 

@@ -80,16 +80,21 @@ DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(
 
 @dataclass(frozen=True)
 class Batching:
-    """How a whole-batch op splits the batch: names of its params giving the sizes.
+    """How an op splits the batch: names of its params giving the sizes.
 
     ``mini_batch`` names the param holding the mini-batch size in prompts (multiplied by ``n``
-    to get samples); ``micro_batch`` the per-rank micro-batch size in samples; ``epochs`` the
-    number of passes over the batch.
+    to get samples); ``micro_batch`` the per-rank micro-batch size in samples (groups, for a
+    per-group op); ``epochs`` the number of passes over the batch. By default each call of a
+    per-sample or per-group op is one micro-batch. ``per_rank=True`` makes one call per rank
+    instead, holding the rank's whole share of the step: the body batches inside it (a rollout
+    engine with continuous batching), ``micro_batch`` then sizes the body's own batches, and a
+    body that streams (yields its rows in parts) hands each part on as it finishes.
     """
 
     mini_batch: str | None = None
     micro_batch: str | None = None
     epochs: str | None = None
+    per_rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ class OpSpec:
     uses: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
     cost: float = 1.0  # relative cost hint for the critical path
     doc: str = ""
+    drops: bool = False  # the body may drop rows from training (ctx.drop): the plan lists the ops its drops reach
+    streams: bool = False  # the body is a generator that yields its rows in parts as they finish
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
@@ -149,11 +156,24 @@ class OpSpec:
         for ref in referenced:
             if ref is not None and ref not in self.params:
                 raise DeclarationError(f"{where}: batching refers to param {ref!r}, which it does not declare")
+        if self.batching and self.batching.per_rank and (self.granularity == "batch" or self.batching.mini_batch):
+            raise DeclarationError(f"{where}: Batching(per_rank=True) is for per-sample and per-group ops (one call "
+                                   f"per rank); a whole-batch op already runs on every rank at once")
 
     @property
     def namespace(self) -> str:
         """The config namespace of this op's params (``actor`` in ``actor.lr``)."""
         return self.config_key or self.name
+
+    @property
+    def runtime_params(self) -> tuple[str, ...]:
+        """Params the runtime consumes itself: the batching sizes (the body finds them in
+        ``ctx.batching``), the group size (``ctx.group_size``) and setup-time params (read by the
+        worker class's ``setup``). The body receives them as keywords only if it names them."""
+        names = {self.group_size_param}
+        if self.batching:
+            names |= {self.batching.mini_batch, self.batching.micro_batch, self.batching.epochs}
+        return tuple(k for k, p in self.params.items() if k in names or p.setup)
 
     def with_(self, **changes: Any) -> OpSpec:
         """A copy with some fields changed, e.g. ``spec.with_(group="actor", name="ref2")``."""
@@ -208,14 +228,17 @@ def op(
     group_size_param: str | None = None,
     skip_before: str | None = None,
     cost: float = 1.0,
+    drops: bool = False,
 ) -> Callable:
     """Declare a function (or a worker-class method) as an operator.
 
     Positional parameters are input columns, typed by their annotations (or by ``inputs=``);
     keyword-only parameters are config params (or give ``params=``). A per-sample or per-group
     op with a ``micro_batch_size`` param is called on micro-batches of that size unless
-    ``batching=`` says otherwise. The function is returned
-    unchanged with its `OpSpec` attached; get it back with `op_spec(fn)`.
+    ``batching=`` says otherwise. A generator function streams: it yields ``(rows, outputs)``
+    for parts of its call as they finish (``rows``: positions in the call, ``outputs``: its
+    per-sample outputs for them), and may ``return`` its other outputs (metrics, state). The
+    function is returned unchanged with its `OpSpec` attached; get it back with `op_spec(fn)`.
 
         @op(outputs={"token_level_scores": T.float32("response_len")}, group="reward")
         def length_reward(responses: T.int64("response_len"), *, coef: float = 0.01):
@@ -279,6 +302,8 @@ def op(
             skip_before=skip_before,
             cost=cost,
             doc=inspect.getdoc(f) or "",
+            drops=drops,
+            streams=inspect.isgeneratorfunction(f),  # a generator body yields its rows in parts
         )
         f.__rlgraph_op__ = spec  # metadata only: the function itself is unchanged
         return f
@@ -393,6 +418,13 @@ class Pipeline:
     that command-line overrides replace. ``prepare`` is a function ``prepare(config)`` that
     `rlgraph run` calls (in the driver, before Ray starts) to create local assets the run needs,
     such as an example's data set and tiny model; it must be idempotent. Compiling never calls it.
+
+    ``summaries`` maps a per-sample numeric column to a metric name: each step reports the mean,
+    max and min over real rows of the column's per-row sum (``{"token_level_scores": "score"}``
+    gives ``score/mean``; the first entry is the run's headline metric, plotted in
+    ``reward_curve.svg``). ``validation`` names the columns validation produces: every
+    ``trainer.val_every`` steps the ops they need run on the source's validation split and the
+    summaries of what they produce are reported under ``val/``.
     """
 
     name: str
@@ -405,6 +437,8 @@ class Pipeline:
     doc: str = ""
     prepare: str | None = None  # "module:function" run by `rlgraph run` before anything starts
     prepare_file: str | None = None
+    summaries: Mapping[str, str] = field(default_factory=dict)  # column -> metric name
+    validation: tuple[str, ...] = ()  # columns validation produces
 
     def __init__(
         self,
@@ -418,6 +452,8 @@ class Pipeline:
         doc: str = "",
         prepare: Any = None,
         prepare_file: str | None = None,
+        summaries: Mapping[str, str] | None = None,
+        validation: Iterable[str] = (),
     ) -> None:
         if not isinstance(source, DataSource):
             raise DeclarationError(f"pipeline {name!r}: source must be a DataSource, got {source!r}")
@@ -425,6 +461,13 @@ class Pipeline:
         for g in groups:
             if not isinstance(g, WorkerGroup):
                 raise DeclarationError(f"pipeline {name!r}: groups must be WorkerGroup objects, got {g!r}")
+        summaries = dict(summaries or {})
+        for col, metric in summaries.items():
+            if not isinstance(col, str) or not isinstance(metric, str) or not metric or "/" in metric:
+                raise DeclarationError(f"pipeline {name!r}: summaries maps column names to metric names without "
+                                       f"'/', e.g. {{'token_level_scores': 'score'}}; got {col!r}: {metric!r}")
+        if isinstance(validation, str):
+            validation = (validation,)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "ops", tuple(op_spec(o) for o in ops))
@@ -439,6 +482,8 @@ class Pipeline:
             prepare, prepare_file = _impl_ref(prepare)
         object.__setattr__(self, "prepare", prepare)
         object.__setattr__(self, "prepare_file", prepare_file)
+        object.__setattr__(self, "summaries", MappingProxyType(summaries))
+        object.__setattr__(self, "validation", tuple(validation))
 
     def op(self, name: str) -> OpSpec:
         for o in self.ops:
@@ -452,42 +497,25 @@ class Pipeline:
         for o in ops:
             s = op_spec(o)
             new[s.name] = s
-        return Pipeline(self.name, self.source, new.values(), self.groups, self.cluster, self.config,
-                        self.outputs, self.doc, self._prepare_ref())
+        return replace(self, ops=tuple(new.values()))
 
     def with_groups(self, *groups: WorkerGroup, drop: Iterable[str] = ()) -> Pipeline:
         """A new pipeline with worker groups added (or replacing ones of the same name) or dropped."""
         new = {g.name: g for g in self.groups if g.name not in set(drop)}
         new.update({g.name: g for g in groups})
-        return Pipeline(self.name, self.source, self.ops, new.values(), self.cluster, self.config,
-                        self.outputs, self.doc, self._prepare_ref())
+        return replace(self, groups=tuple(new.values()))
 
     def with_outputs(self, *outputs: str, drop: Iterable[str] = ()) -> Pipeline:
         """A new pipeline keeping other columns: `outputs` added, `drop` removed."""
         keep = [c for c in self.outputs if c not in set(drop)] + [c for c in outputs if c not in self.outputs]
-        return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, self.config, keep, self.doc,
-                        self._prepare_ref())
+        return replace(self, outputs=tuple(keep))
 
     def with_config(self, **namespaces: Mapping[str, Any]) -> Pipeline:
         """A new pipeline with config defaults merged in, e.g. ``with_config(actor={"lr": 1e-6})``."""
         merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in self.config.items()}
         for ns, values in namespaces.items():
             merged.setdefault(ns, {}).update(values)
-        return Pipeline(self.name, self.source, self.ops, self.groups, self.cluster, merged,
-                        self.outputs, self.doc, self._prepare_ref())
-
-    def _prepare_ref(self) -> Any:
-        if self.prepare is None:
-            return None
-        from rlgraph.runtime.invoke import resolve_impl
-
-        return resolve_impl(self.prepare, self.prepare_file)[0]
-
-    def compile(self, overrides: Iterable[str] | Mapping[str, str] = ()) -> Any:
-        """Shorthand for `rlgraph.compile(self, overrides)`."""
-        from rlgraph.graph.compile import compile_pipeline
-
-        return compile_pipeline(self, overrides)
+        return replace(self, config=merged)
 
     def __call__(self, *a: Any, **k: Any) -> Any:
         raise TypeError("a Pipeline is not run by calling it; use `rlgraph run` or rlgraph.compile(pipeline)")

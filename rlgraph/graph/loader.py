@@ -10,16 +10,17 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rlgraph.errors import PipelineLoadError, RLGraphError
+from rlgraph.errors import OpError, PipelineLoadError, RLGraphError
 from rlgraph.graph.dsl import Pipeline
 
-__all__ = ["load_pipeline", "import_file"]
+__all__ = ["load_pipeline", "import_file", "resolve_impl"]
 
 
 def import_file(path: str | Path) -> ModuleType:
@@ -47,6 +48,33 @@ def import_file(path: str | Path) -> ModuleType:
             f"importing pipeline file {str(path)!r} failed at {where}: {type(e).__name__}: {e}"
         ) from e
     return module
+
+
+def resolve_impl(ref: str, impl_file: str | None = None) -> tuple[Any, str | None]:
+    """Import ``module:qualname``. Returns (object, class name) where the object is the function,
+    or the class when the qualname is ``Class.method`` (the caller instantiates it once)."""
+    module_name, sep, qualname = ref.partition(":")
+    if not sep:
+        raise OpError(f"op body reference {ref!r} is not of the form module:qualname")
+    try:
+        if module_name == "__main__" and impl_file:
+            # a script's ops: import the script as a module (its `if __name__ == "__main__":`
+            # block does not run), never the worker's own __main__
+            raise ImportError("defined in a script")
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        if not impl_file:
+            raise OpError(f"cannot import {module_name!r} for op body {ref!r}: {e}") from e
+        module = import_file(impl_file)
+    parts = qualname.split(".")
+    obj: Any = module
+    for i, part in enumerate(parts):
+        if not hasattr(obj, part):
+            raise OpError(f"op body {ref!r}: {'.'.join(parts[:i]) or module_name!r} has no attribute {part!r}")
+        if i == len(parts) - 1 and inspect.isclass(obj):
+            return obj, part
+        obj = getattr(obj, part)
+    return obj, None
 
 
 def _import_module(module_name: str, ref: str) -> ModuleType:

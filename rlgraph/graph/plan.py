@@ -29,12 +29,13 @@ __all__ = [
     "BatchPlan",
     "SchedulePlan",
     "ClusterPlan",
+    "ValidationPlan",
     "Plan",
     "load_plan",
 ]
 
 PLAN_FORMAT = "rlgraph.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 class _Frozen(BaseModel):
@@ -75,8 +76,10 @@ class OpBatching(_Frozen):
         None, description="[smallest, largest] share of one mini-batch on a rank (equal when dp divides it)"
     )
     micro_batch_size: int | None = Field(
-        None, description="per call on a rank: samples, or groups (prompts) for per-group ops"
+        None, description="per call on a rank: samples, or groups (prompts) for per-group ops; with per_rank, the "
+        "body's own batches inside its call"
     )
+    per_rank: bool = Field(False, description="one call per rank holding its whole share of the step")
     micro_batches: int | None = Field(
         None, description="micro-batches per rank per mini-batch (per pass for forward-only ops)"
     )
@@ -103,6 +106,16 @@ class OpPlan(_Frozen):
     stage: int = Field(description="topological generation (0 runs first)")
     concurrent_with: list[str] = Field(description="ops it may overlap with (no dependency, different group)")
     skip_before_step: int = Field(0, description="the op is skipped while step < this")
+    drops: bool = Field(False, description="the body may drop rows from training (ctx.drop)")
+    streams: bool = Field(False, description="the body yields its rows in parts as they finish; ops downstream "
+                          "start on each part")
+    downstream: list[str] = Field(
+        description="for an op that drops rows: the ops that read its outputs, directly or through other ops (its "
+        "drops are padding for them); empty otherwise")
+    runtime_params: list[str] = Field(
+        description="params the runtime consumes: batching sizes (the body finds them in ctx.batching), the group "
+        "size (ctx.group_size) and setup-time params (read by the worker class's setup); the body receives them "
+        "as keywords only if it names them")
     batching: OpBatching
     cost: float = 1.0
     doc: str = ""
@@ -133,6 +146,8 @@ class PoolPlan(_Frozen):
 
     name: str
     groups: list[str]
+    placement: Literal["pack", "spread"] = Field(description="pack the bundles onto few nodes, or spread them "
+                                                 "round-robin over the nodes")
     bundles: list[BundlePlan]
 
 
@@ -180,6 +195,13 @@ class ClusterPlan(_Frozen):
     required_gpus: float
 
 
+class ValidationPlan(_Frozen):
+    """What validation runs: the ops that produce the pipeline's validation columns."""
+
+    columns: list[str] = Field(description="columns validation produces (the pipeline's `validation`)")
+    ops: list[str] = Field(description="the ops needed to produce them, in plan order")
+
+
 class Plan(_Frozen):
     """A compiled pipeline. Write with `save`, read with `load_plan`."""
 
@@ -193,6 +215,7 @@ class Plan(_Frozen):
     source: str = Field("data", description="name of the data source node (and of its config namespace)")
     source_impl: str | None = Field(None, description="'module:qualname' of the data source")
     source_impl_file: str | None = Field(None, description="source file of the data source's module")
+    source_columns: list[str] = Field(description="columns the data source writes (system columns included)")
     config: dict[str, Any] = Field(description="the resolved config, nested")
     overrides: dict[str, str] = Field(description="the key=value overrides given at compile time")
     columns: dict[str, ColumnPlan]
@@ -203,6 +226,10 @@ class Plan(_Frozen):
     batch: BatchPlan
     schedule: SchedulePlan
     cluster: ClusterPlan
+    summaries: dict[str, str] = Field(
+        description="per-sample column -> metric name: the mean/max/min over real rows of each row's sum; the "
+        "first is the headline metric")
+    validation: ValidationPlan
 
     def op(self, name: str) -> OpPlan:
         for o in self.ops:

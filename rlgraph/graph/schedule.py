@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from rlgraph.graph.build import BuiltGraph, data_dag
-from rlgraph.graph.place import resolved_groups
+from rlgraph.graph.build import BuiltGraph
 from rlgraph.graph.plan import SchedulePlan
 
 __all__ = ["MODES", "mode_of", "schedule", "concurrency"]
@@ -33,11 +32,10 @@ def _order(d: nx.DiGraph) -> list[str]:
 
 def concurrency(g: BuiltGraph) -> dict[str, list[str]]:
     """Op -> the ops it may overlap with, sorted."""
-    d = data_dag(g)
     ops = [o.name for o in g.pipeline.ops]
-    pool_of_group = {gr.name: gr.pool for gr in resolved_groups(g)}
+    pool_of_group = {gr.name: gr.pool for gr in g.groups}
     pool = {o.name: pool_of_group.get(o.group or "", o.group) for o in g.pipeline.ops}
-    related = {a: nx.ancestors(d, a) | nx.descendants(d, a) for a in ops}
+    related = {a: g.upstream[a] | g.downstream[a] for a in ops}
     return {
         a: sorted(b for b in ops if b != a and b not in related[a] and pool[a] != pool[b])
         for a in ops
@@ -46,7 +44,7 @@ def concurrency(g: BuiltGraph) -> dict[str, list[str]]:
 
 def schedule(g: BuiltGraph) -> tuple[SchedulePlan, dict[str, int], dict[str, list[str]]]:
     """The schedule, each op's stage index, and each op's concurrent ops. Call after `check`."""
-    d = data_dag(g)
+    d = g.data_dag
     src = g.source
     stages: list[list[str]] = []
     for gen in nx.topological_generations(d):

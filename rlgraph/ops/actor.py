@@ -6,6 +6,12 @@ the update changes the weights generation uses, with no copy. When generation ru
 of its own, it loads the ``policy_weights`` state column each step (the runtime moves it
 between groups through Ray).
 
+Generation runs on transformers (``rollout.backend=hf``) or on a vLLM engine of this rank
+(``vllm``, started on the first generate call). The engine holds its own copy of the weights:
+before it generates, it is given the model's current weights whenever they changed (an update
+here, weights from another group, a restored checkpoint), in place; ``rollout_metrics`` report
+the time and bytes. On a GPU shared with the update, the engine sleeps during the update.
+
 Log-probs are computed at the rollout temperature (``rollout.temperature``), as the sampler saw
 the distribution; the model path is ``actor.model_path`` (``rollout.model_path`` for a
 generation-only group, ``ref.model_path`` for the reference, defaulting to the actor's).
@@ -13,21 +19,26 @@ generation-only group, ``ref.model_path`` for the reference, defaulting to the a
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import time
+from typing import Any, Iterator, Mapping
 
 import torch
 
-from rlgraph.ops.algos import agg_loss, entropy_from_logits, kl_loss, logprobs_from_logits, policy_loss
+from rlgraph.ops.algos import (agg_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean,
+                               policy_loss, rollout_probs_diff, truncated_is_weights)
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
-from rlgraph.ops.rollout import generate_hf
+from rlgraph.ops.rollout import hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.sequences import pack, response_logits, split_rows
 from rlgraph.ops.training import TrainerMixin, kept_rows, section
 
 __all__ = ["ActorWorker"]
 
+_ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "cpu_kv_cache_gb", "enforce_eager",
+                   "sleep_mode")
+
 
 class ActorWorker(TrainerMixin):
-    """Policy model on one rank; reference model loaded on first use."""
+    """Policy model on one rank; reference model loaded on first use; a vLLM engine on demand."""
 
     def setup(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -37,7 +48,8 @@ class ActorWorker(TrainerMixin):
             raise ValueError("no model: set actor.model_path (or rollout.model_path) to a local Hugging Face "
                              "model directory")
         self.temperature = float(rollout.get("temperature", 1.0)) or 1.0
-        torch.manual_seed(int(section(ctx, "trainer").get("seed", 0)))
+        self.seed = int(section(ctx, "trainer").get("seed", 0))
+        torch.manual_seed(self.seed)
         self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
         self.model = load_causal_lm(self.model_path)
         self.model.eval()
@@ -45,7 +57,12 @@ class ActorWorker(TrainerMixin):
         # weights made by any rank of this group are ours: DDP keeps the replicas identical, so
         # only a generation-only group (another name) loads policy_weights
         self.id = ctx.group
-        self.version = -1
+        self.version = -1  # the last policy_weights version loaded from another group
+        self.backend = rollout.get("backend", "hf")
+        self.rollout_options = {k: rollout[k] for k in _ENGINE_OPTIONS if k in rollout}
+        self.rollout_engine: Any = None  # a VLLMEngine, started on the first generate call
+        self.model_version = 0  # bumped whenever self.model's weights change (0: the weights at model_path)
+        self.rollout_version = -1  # the model_version the engine holds
         self.init_trainer(ctx)
 
     # ------------------------------------------------------------------ weights
@@ -56,20 +73,57 @@ class ActorWorker(TrainerMixin):
         if int(policy_weights["version"]) > self.version:
             self.model.load_state_dict(policy_weights["state"])
             self.version = int(policy_weights["version"])
+            self.model_version += 1
 
     def _weights(self, step: int) -> dict[str, Any]:
         return {"version": step, "owner": self.id, "state": self.model.state_dict()}
 
+    def _engine_ready(self, rank: int) -> dict[str, float]:
+        """Start the vLLM engine if needed, wake it, give it the current weights; what it cost."""
+        from rlgraph.ops.vllm_rollout import VLLMEngine
+
+        metrics: dict[str, float] = {}
+        if self.rollout_engine is None or self.rollout_engine.ensure_running():
+            if self.rollout_engine is None:
+                self.rollout_engine = VLLMEngine(self.model_path, rank=rank, seed=self.seed, **self.rollout_options)
+            self.rollout_version = 0  # a fresh engine holds the weights at model_path
+            metrics["engine_start_s"] = self.rollout_engine.start_s
+        self.rollout_engine.wake_up()
+        metrics["weight_sync_s"], metrics["weight_sync_bytes"] = 0.0, 0.0
+        if self.rollout_version != self.model_version:
+            t0 = time.time()
+            metrics["weight_sync_bytes"] = float(self.rollout_engine.load_weights(self.model.state_dict()))
+            metrics["weight_sync_s"] = time.time() - t0
+            self.rollout_version = self.model_version
+        return metrics
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: torch.Tensor, policy_weights: Mapping[str, Any] | None = None, *,
-                 n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 max_new_tokens: int = 16, calculate_log_probs: bool = False,
-                 ctx: Any = None, **_: Any) -> dict[str, Any]:
+                 temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_token_ids: str,
+                 micro_batch_size: int, ctx: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """All of this rank's prompts; yields each finished part (a group on vLLM, a micro-batch on hf)."""
         self._sync(policy_weights)
+        t0 = time.time()
         prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
-        return generate_hf(self.model, self.tokenizer, prompts, ctx.is_padding, seed=ctx.seed,
-                           temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                           calculate_log_probs=calculate_log_probs)
+        sampling = dict(n=ctx.group_size, seed=ctx.seed, temperature=temperature, top_p=top_p, top_k=top_k,
+                        max_new_tokens=max_new_tokens, stop_token_ids=parse_token_ids(stop_token_ids),
+                        logprobs="rollout_log_probs" in ctx.wanted)
+        metrics: dict[str, float] = {}
+        if self.backend == "vllm":
+            metrics.update(self._engine_ready(ctx.rank))
+            parts = vllm_parts(self.rollout_engine, prompts, ctx.is_padding, self.tokenizer.eos_token_id, **sampling)
+        else:
+            parts = hf_parts(self.model, self.tokenizer, prompts, ctx.is_padding, micro_batch_size=micro_batch_size,
+                             **sampling)
+        tokens = n_parts = 0
+        for rows, cols in parts:
+            tokens += sum(len(r) for r, pad in zip(cols["responses"], rows) if not ctx.is_padding[pad])
+            n_parts += 1
+            yield rows, cols
+        seconds = time.time() - t0
+        metrics.update(generate_s=seconds, parts=float(n_parts), response_tokens_count=float(tokens),
+                       tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        return {"rollout_metrics": metrics}
 
     # ------------------------------------------------------------------ forward passes
     @torch.no_grad()
@@ -82,19 +136,26 @@ class ActorWorker(TrainerMixin):
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp * packed.response_mask, ent
 
-    def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Any = None,
-                         responses: Any = None, response_mask: Any = None,
-                         policy_weights: Mapping[str, Any] | None = None, *, ctx: Any = None,
-                         **_: Any) -> dict[str, Any]:
+    def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                         responses: torch.Tensor, response_mask: torch.Tensor,
+                         policy_weights: Mapping[str, Any] | None = None,
+                         rollout_log_probs: torch.Tensor | None = None, *, compare_rollout: bool,
+                         ctx: Any) -> dict[str, Any]:
         self._sync(policy_weights)
         logp, ent = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=True)
-        return {"old_log_probs": logp, "entropy": ent}
+        metrics: dict[str, float] = {}
+        if compare_rollout and rollout_log_probs is not None:
+            R = logp.shape[1]
+            mask = response_mask[:, :R].long() * kept_rows(ctx)
+            diff = rollout_probs_diff(logp, rollout_log_probs[:, :R].float(), mask)
+            metrics = {"rollout_probs_diff_mean": diff.mean, "rollout_probs_diff_max": diff.max}
+        return {"old_log_probs": logp, "entropy": ent, "old_logprob_metrics": metrics}
 
-    def compute_ref_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Any = None,
-                             responses: Any = None, response_mask: Any = None, *, ctx: Any = None,
-                             **_: Any) -> dict[str, Any]:
+    def compute_ref_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                             responses: torch.Tensor, response_mask: torch.Tensor, *, model_path: str = "",
+                             ctx: Any) -> dict[str, Any]:
         if self.ref_model is None:
-            path = section(ctx, "ref").get("model_path") or self.model_path
+            path = model_path or self.model_path
             self.ref_model = load_causal_lm(path)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
@@ -102,13 +163,16 @@ class ActorWorker(TrainerMixin):
         return {"ref_log_prob": logp}
 
     # ------------------------------------------------------------------ update
-    def update_actor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Any = None,
-                     responses: Any = None, response_mask: torch.Tensor | None = None,
-                     old_log_probs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-                     ref_log_prob: torch.Tensor | None = None, *, clip_ratio_low: float = 0.2,
-                     clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, entropy_coeff: float = 0.0,
-                     use_kl_loss: bool = False, kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
-                     loss_agg_mode: str = "token-mean", ctx: Any = None, **train: Any) -> dict[str, Any]:
+    def update_actor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     responses: torch.Tensor, response_mask: torch.Tensor, old_log_probs: torch.Tensor,
+                     advantages: torch.Tensor, ref_log_prob: torch.Tensor | None = None,
+                     rollout_log_probs: torch.Tensor | None = None, *, lr: float,
+                     weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
+                     loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                     entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
+                     tis_cap: float, ctx: Any) -> dict[str, Any]:
+        if self.rollout_engine is not None:
+            self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
         prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
         packed = pack(prompts, resp, self.tokenizer.pad_token_id)
         R = packed.response_width
@@ -120,6 +184,8 @@ class ActorWorker(TrainerMixin):
                  "old_log_probs": old_log_probs[:, :R], "advantages": advantages[:, :R]}
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
+        if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
+            batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
         P, temperature = packed.prompt_width, self.temperature
 
         def loss_fn(model, mb, global_tokens, global_seqs):
@@ -130,12 +196,14 @@ class ActorWorker(TrainerMixin):
             m = mb["response_mask"]
             pg = policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
                              clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, agg_mode=loss_agg_mode,
-                             global_tokens=global_tokens, global_seqs=global_seqs)
+                             global_tokens=global_tokens, global_seqs=global_seqs, is_weights=mb.get("is_weights"))
             loss = pg.loss
             # metrics as local means: the engine averages them over micro-batches (the loss itself is
             # normalised by the global token count, so it sums instead)
             metrics = {"pg_loss": float(agg_loss(pg.pg_losses.detach(), m, loss_agg_mode)),
                        "pg_clipfrac": float(pg.clipfrac), "ppo_kl": float(pg.approx_kl)}
+            if "is_weights" in mb:
+                metrics["tis_weight_mean"] = float(masked_mean(mb["is_weights"], m))
             if entropy_coeff:
                 ent_mat = entropy_from_logits(logits)
                 loss = loss - entropy_coeff * agg_loss(ent_mat, m, loss_agg_mode, global_tokens, global_seqs)
@@ -148,8 +216,9 @@ class ActorWorker(TrainerMixin):
                                                    loss_agg_mode))
             return loss, metrics
 
-        metrics = self.train(self.model, batch, loss_fn, ctx, section(ctx, "rollout").get("n", 1), **train)
-        self.model.eval()
+        metrics = self.train(self.model, batch, loss_fn, ctx, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+                             lr_warmup_steps=lr_warmup_steps, backend=backend, zero_stage=zero_stage)
+        self.model_version += 1  # the engine (if any) is given these weights before it generates again
         return {"actor_metrics": metrics, "policy_weights": self._weights(ctx.step)}
 
     # ------------------------------------------------------------------ checkpoints
@@ -160,4 +229,9 @@ class ActorWorker(TrainerMixin):
         self.model.load_state_dict(state["model"])
         self.load_trainer_state(state.get("trainer"))
         self.version = int(state.get("version", -1))
+        self.model_version += 1
+
+    def close(self) -> None:
+        if self.rollout_engine is not None:
+            self.rollout_engine.close()
 

@@ -34,10 +34,9 @@ class AdvantageWorker:
     def compute_advantage(self, token_level_scores: torch.Tensor, response_mask: torch.Tensor,
                           uid: torch.Tensor, is_padding: torch.Tensor, values: torch.Tensor | None = None,
                           old_log_probs: torch.Tensor | None = None, ref_log_prob: torch.Tensor | None = None, *,
-                          estimator: str = "gae", gamma: float = 1.0, lam: float = 1.0,
-                          norm_adv_by_std: bool = True, use_kl_in_reward: bool = False, kl_penalty: str = "kl",
-                          kl_coef: float = 0.001, kl_ctrl: str = "fixed", kl_target: float = 0.1,
-                          kl_horizon: int = 10000, ctx: Any = None, **_: Any) -> dict[str, Any]:
+                          estimator: str, gamma: float, lam: float, norm_adv_by_std: bool, use_kl_in_reward: bool,
+                          kl_penalty: str, kl_coef: float, kl_ctrl: str, kl_target: float, kl_horizon: int,
+                          ctx: Any) -> dict[str, Any]:
         R = token_level_scores.shape[1]
         mask = response_mask[:, :R].float() * (~is_padding.bool()).unsqueeze(1).float()
         metrics: dict[str, float] = {}

@@ -38,19 +38,19 @@ class CriticWorker(TrainerMixin):
         self.init_trainer(ctx)
 
     @torch.no_grad()
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Any = None,
-                       responses: Any = None, response_mask: torch.Tensor | None = None,
-                       critic_weights: Any = None, *, ctx: Any = None, **_: Any) -> dict[str, Any]:
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       responses: torch.Tensor, response_mask: torch.Tensor, critic_weights: Any = None, *,
+                       ctx: Any) -> dict[str, Any]:
         prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
         p = pack(prompts, resp, self.tokenizer.pad_token_id)
         values = _values(self.model, p.input_ids, p.attention_mask, p.position_ids, p.prompt_width, p.response_width)
         return {"values": values * p.response_mask}
 
-    def update_critic(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: Any = None,
-                      responses: Any = None, response_mask: torch.Tensor | None = None,
-                      values: torch.Tensor | None = None, returns: torch.Tensor | None = None, *,
-                      cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean", ctx: Any = None,
-                      **train: Any) -> dict[str, Any]:
+    def update_critic(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      responses: torch.Tensor, response_mask: torch.Tensor, values: torch.Tensor,
+                      returns: torch.Tensor, *, lr: float, weight_decay: float, grad_clip: float,
+                      lr_warmup_steps: int, backend: str, zero_stage: int, loss_agg_mode: str,
+                      cliprange_value: float, ctx: Any) -> dict[str, Any]:
         prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
         p = pack(prompts, resp, self.tokenizer.pad_token_id)
         P, R = p.prompt_width, p.response_width
@@ -65,7 +65,8 @@ class CriticWorker(TrainerMixin):
             local = agg_loss(res.vf_losses.detach(), mb["response_mask"], loss_agg_mode)  # a local mean (see actor)
             return res.loss, {"vf_loss": float(local), "vf_clipfrac": float(res.vf_clipfrac)}
 
-        metrics = self.train(self.model, batch, loss_fn, ctx, section(ctx, "rollout").get("n", 1), **train)
+        metrics = self.train(self.model, batch, loss_fn, ctx, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+                             lr_warmup_steps=lr_warmup_steps, backend=backend, zero_stage=zero_stage)
         self.model.eval()
         return {"critic_metrics": metrics, "critic_weights": {"version": ctx.step}}
 

@@ -96,7 +96,7 @@ def build_tiny_model(
     chars: str = DEFAULT_CHARS,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int = 2,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 256,
     seed: int = 0,
@@ -106,7 +106,9 @@ def build_tiny_model(
     The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
     tokenizer files, so ``AutoModelForCausalLM.from_pretrained(out_dir)`` (and vLLM) load it.
     The same arguments and `seed` give identical weights. `intermediate_size` defaults to
-    ``4 * hidden_size``. Returns the directory.
+    ``4 * hidden_size``. The default heads are 32 wide (64 / 2): vLLM's CPU attention supports
+    head sizes of 32 and up, so the same tiny model runs on both rollout backends. Returns the
+    directory.
     """
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

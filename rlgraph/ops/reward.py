@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from rlgraph.ops.models import char_tokenizer, load_tokenizer
+from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.rewards import RewardFnError
 from rlgraph.ops.scoring import RewardScorer
 from rlgraph.ops.training import section
 
-__all__ = ["RewardWorker", "ON_ERROR", "combine_rewards"]
+__all__ = ["RewardWorker", "combine_rewards"]
 
-ON_ERROR = ("fail", "zero", "drop_group")
 
 
 class RewardWorker:
@@ -47,12 +47,9 @@ class RewardWorker:
             self.tokenizers[path] = load_tokenizer(path) if path else char_tokenizer()
         return self.tokenizers[path]
 
-    def compute_reward(self, prompts: Any = None, responses: torch.Tensor | None = None,
-                       response_mask: torch.Tensor | None = None, data_source: list | None = None,
-                       ground_truth: list | None = None, extra_info: list | None = None, *,
-                       fn: str = "rlgraph.ops.rewards:compute_score", executor: str = "thread",
-                       concurrency: int = 8, timeout_s: float = 60.0, on_error: str = "fail",
-                       tokenizer: str = "", ctx: Any = None, **_: Any) -> dict[str, Any]:
+    def compute_reward(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                       data_source: list, ground_truth: list, extra_info: list, *, fn: str, executor: str,
+                       concurrency: int, timeout_s: float, on_error: str, tokenizer: str, ctx: Any) -> dict[str, Any]:
         if on_error not in ON_ERROR:
             raise RewardFnError(f"{ctx.op}.on_error={on_error!r}; use one of {', '.join(ON_ERROR)}")
         key = (fn, executor, int(concurrency), float(timeout_s))

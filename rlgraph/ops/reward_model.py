@@ -193,7 +193,7 @@ class RewardModelWorker:
     @torch.no_grad()
     def compute_rm_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          position_ids: Any = None, responses: Any = None, response_mask: torch.Tensor | None = None,
-                         *, micro_batch_size: int = 32, ctx: Any = None, **_: Any) -> dict[str, Any]:
+                         *, micro_batch_size: int = 32, ctx: Any = None) -> dict[str, Any]:
         """Score every real row; the score goes on its last response token (index length-1)."""
         rows = int(input_ids.shape[0])
         if attention_mask is None:

@@ -1,24 +1,47 @@
-"""Generation with Hugging Face transformers: one call per chunk of prompts, seeded per chunk.
+"""Rollout: one generate call per rank, streaming its groups, on Hugging Face or vLLM.
 
-Padding rows are not generated: each gets a one-token response (EOS) with ``response_mask``
-0, the minimal row of BRIEF section 2. A response ends at and includes its first EOS; its
-``response_mask`` is 1 on exactly those tokens.
+A call holds a rank's whole share of the step's prompts (rows of one prompt are contiguous, one
+row per sample; each padding row is a group of its own). Both backends yield ``(positions,
+columns)`` parts, so the runtime hands each part to the ops downstream as soon as it exists:
+
+- `hf_parts`: transformers ``generate`` on micro-batches of ``micro_batch_size`` groups, each
+  seeded from the call's seed and its index, a part per micro-batch;
+- `vllm_parts`: every group submitted to the engine at once (one request per prompt, ``n``
+  samples each, seeded per prompt), a part per group the moment its last sample finishes.
+
+Padding rows are not generated: each gets a one-token response (EOS) with ``response_mask`` 0,
+the minimal row of BRIEF section 2, handed over first. A response ends at and includes its first
+stop token (EOS or one of ``stop_token_ids``); its ``response_mask`` is 1 on exactly those tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["generate_hf", "response_columns"]
+from rlgraph.seeds import stable_seed
+
+__all__ = ["GEN_COLUMNS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids"]
+
+GEN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+               "rollout_log_probs")
+
+Part = tuple[list[int], dict[str, list]]
+
+
+def parse_token_ids(text: str) -> tuple[int, ...]:
+    """``"7, 9"`` -> ``(7, 9)``: the stop_token_ids param."""
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"rollout.stop_token_ids={text!r} must be token ids separated by commas, e.g. '7,9'") from None
 
 
 def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
                      is_padding: Sequence[bool], log_probs: Sequence[torch.Tensor] | None) -> dict[str, list]:
-    """The generate op's output columns, one entry per row."""
-    out: dict[str, list] = {k: [] for k in ("prompts", "responses", "response_mask", "input_ids", "attention_mask",
-                                             "position_ids", "rollout_log_probs")}
+    """The generate op's per-sample output columns, one entry per row."""
+    out: dict[str, list] = {k: [] for k in GEN_COLUMNS}
     for i, (p, r) in enumerate(zip(prompts, responses)):
         seq = torch.cat([p, r]).long()
         out["prompts"].append(p.long())
@@ -27,40 +50,99 @@ def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
         out["input_ids"].append(seq)
         out["attention_mask"].append(torch.ones(len(seq), dtype=torch.long))
         out["position_ids"].append(torch.arange(len(seq), dtype=torch.long))
-        out["rollout_log_probs"].append(log_probs[i] if log_probs is not None else torch.zeros(len(r)))
+        out["rollout_log_probs"].append(log_probs[i].float() if log_probs is not None else torch.zeros(len(r)))
     return out
 
 
-@torch.no_grad()
-def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], *,
-                seed: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 16,
-                calculate_log_probs: bool = False) -> dict[str, list]:
-    """Sample one response per row (rows of one prompt are repeated n times by the source)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+def groups_of(is_padding: Sequence[bool], n: int) -> tuple[list[int], list[list[int]]]:
+    """(padding positions, real groups as position lists) of a call: real rows come in runs of
+    `n` per prompt (calls are group-aligned), each padding row alone."""
+    padding = [i for i, p in enumerate(is_padding) if p]
     real = [i for i, p in enumerate(is_padding) if not p]
-    responses: list[torch.Tensor] = [torch.tensor([eos]) for _ in prompts]
-    log_probs: list[torch.Tensor] | None = [torch.zeros(1) for _ in prompts] if calculate_log_probs else None
-    if real:
-        width = max(len(prompts[i]) for i in real)
-        ids = torch.full((len(real), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(real), width), dtype=torch.long)
-        for j, i in enumerate(real):  # left padding: generation continues from the last column
+    if len(real) % n:
+        raise ValueError(f"a generate call got {len(real)} real rows, not whole groups of n={n}")
+    return padding, [real[k:k + n] for k in range(0, len(real), n)]
+
+
+def _cut(tokens: Sequence[int], stop: set[int]) -> int:
+    """Length of a response that ends at (and includes) its first stop token."""
+    for k, t in enumerate(tokens):
+        if t in stop:
+            return k + 1
+    return len(tokens)
+
+
+def _part(positions: list[int], prompts: Sequence[torch.Tensor], responses: dict[int, torch.Tensor],
+          is_padding: Sequence[bool], log_probs: dict[int, torch.Tensor] | None) -> Part:
+    cols = response_columns([prompts[i] for i in positions], [responses[i] for i in positions],
+                            [is_padding[i] for i in positions],
+                            [log_probs[i] for i in positions] if log_probs is not None else None)
+    return positions, cols
+
+
+def _padding_part(prompts: Sequence[torch.Tensor], padding: list[int], is_padding: Sequence[bool], eos: int,
+                  logprobs: bool) -> Part:
+    one = {i: torch.tensor([eos]) for i in padding}
+    return _part(padding, prompts, one, is_padding, {i: torch.zeros(1) for i in padding} if logprobs else None)
+
+
+@torch.no_grad()
+def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], *, n: int,
+             seed: int, micro_batch_size: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
+             stop_token_ids: Sequence[int] = (), logprobs: bool = False) -> Iterator[Part]:
+    """transformers ``generate`` on micro-batches of `micro_batch_size` groups, a part per micro-batch."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    stop = {eos, *stop_token_ids}
+    padding, groups = groups_of(is_padding, n)
+    if padding:
+        yield _padding_part(prompts, padding, is_padding, eos, logprobs)
+    size = max(1, micro_batch_size)
+    for k, start in enumerate(range(0, len(groups), size)):
+        rows = [i for g in groups[start:start + size] for i in g]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, i in enumerate(rows):  # left padding: generation continues from the last column
             ids[j, width - len(prompts[i]):] = prompts[i]
             mask[j, width - len(prompts[i]):] = 1
-        torch.manual_seed(seed)  # the chunk's seed: the same rows draw the same samples in any schedule
+        torch.manual_seed(stable_seed(seed, k))  # the same rows draw the same samples in any schedule
         sample = temperature > 0
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
             temperature=temperature if sample else None, top_p=top_p if sample else None,
-            top_k=(top_k or None) if sample else None, pad_token_id=pad, eos_token_id=eos,
-            return_dict_in_generate=True, output_scores=calculate_log_probs)
+            top_k=(top_k or None) if sample else None, pad_token_id=pad, eos_token_id=sorted(stop),
+            return_dict_in_generate=True, output_scores=logprobs)
         new = out.sequences[:, width:]
-        for j, i in enumerate(real):
-            row = new[j]
-            hits = (row == eos).nonzero()
-            length = int(hits[0]) + 1 if len(hits) else len(row)
-            responses[i] = row[:length].clone()
-            if log_probs is not None:
-                scores = torch.stack([s[j] for s in out.scores[:length]]).float()  # [length, vocab]
-                log_probs[i] = torch.log_softmax(scores, dim=-1).gather(-1, row[:length, None]).squeeze(-1)
-    return response_columns(prompts, responses, is_padding, log_probs)
+        responses, lps = {}, {} if logprobs else None
+        for j, i in enumerate(rows):
+            length = _cut(new[j].tolist(), stop)
+            responses[i] = new[j, :length].clone()
+            if lps is not None:
+                scores = torch.stack([s[j] for s in out.scores[:length]]).float()  # [length, vocab], processed
+                lps[i] = torch.log_softmax(scores, dim=-1).gather(-1, new[j, :length, None]).squeeze(-1)
+        yield _part(rows, prompts, responses, is_padding, lps)
+
+
+def vllm_parts(engine: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], eos: int, *, n: int,
+               seed: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
+               stop_token_ids: Sequence[int] = (), logprobs: bool = False) -> Iterator[Part]:
+    """Every group submitted to `engine` (a `VLLMEngine`) at once; a part per group as it finishes."""
+    padding, groups = groups_of(is_padding, n)
+    if padding:
+        yield _padding_part(prompts, padding, is_padding, eos, logprobs)
+    if not groups:
+        return
+    stop = {eos, *stop_token_ids}
+    heads = [prompts[g[0]].tolist() for g in groups]  # the rows of a group repeat one prompt
+    for k, tokens, lps in engine.generate(heads, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                          max_tokens=max_new_tokens, stop_token_ids=sorted(stop - {eos}),
+                                          seeds=[stable_seed(seed, k) for k in range(len(groups))],
+                                          logprobs=logprobs):
+        rows = groups[k]
+        responses, row_lps = {}, {} if logprobs else None
+        for j, i in enumerate(rows):
+            length = _cut(tokens[j], stop)
+            responses[i] = torch.tensor(tokens[j][:length], dtype=torch.long)
+            if row_lps is not None:
+                row_lps[i] = torch.tensor(lps[j][:length], dtype=torch.float32)
+        yield _part(rows, prompts, responses, is_padding, row_lps)

@@ -28,11 +28,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from rlgraph.ops.names import EXECUTORS
 from rlgraph.ops.rewards import RewardFnError, load_reward_fn, normalise_score
 
-__all__ = ["EXECUTORS", "Outcome", "RewardScorer"]
+__all__ = ["Outcome", "RewardScorer"]
 
-EXECUTORS = ("thread", "process")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Packed", "split_rows", "pack", "response_logits", "unpad"]
+__all__ = ["Packed", "split_rows", "pack", "response_logits"]
 
 
 class Packed(NamedTuple):
@@ -64,8 +64,3 @@ def response_logits(model: torch.nn.Module, packed: Packed, temperature: float =
     P, R = packed.prompt_width, packed.response_width
     logits = out.logits[:, P - 1:P - 1 + R, :].float()
     return logits / temperature if temperature > 0 else logits
-
-
-def unpad(values: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """Rows of a right-padded [b, R, ...] tensor, each cut to its length."""
-    return [values[i, :int(n)] for i, n in enumerate(lengths)]

@@ -16,10 +16,12 @@ from rlgraph.errors import DeclarationError, Problem
 from rlgraph.graph.columns import ColumnType, T
 from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
+from rlgraph.ops.names import AGG_MODES, ENGINE_BACKENDS, ESTIMATOR_NEEDS, ESTIMATORS, EXECUTORS, KL_KINDS, ON_ERROR
 
 __all__ = [
     "COLUMNS",
-    "ESTIMATORS",
+    "SUMMARIES",
+    "VALIDATION",
     "prompt_source",
     "generate",
     "reward",
@@ -48,7 +50,9 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     "input_ids": T.int64(S, doc="prompt + response"),
     "attention_mask": T.int64(S, doc="1 on real tokens of input_ids"),
     "position_ids": T.int64(S, doc="positions of input_ids"),
-    "rollout_log_probs": T.float32(R, doc="log-probs of the sampled tokens under the rollout engine"),
+    "rollout_log_probs": T.float32(R, doc="log-probs of the sampled tokens under the rollout engine (computed when "
+                                          "an op reads them)"),
+    "rollout_metrics": T.json().metric(),
     # reward
     "token_level_scores": T.float32(R, doc="the score, placed on the last response token"),
     "reward_extra": T.json(doc="extra values returned by the reward function"),
@@ -56,6 +60,7 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     "old_log_probs": T.float32(R, doc="log-probs of responses under the current policy"),
     "entropy": T.float32(R, doc="per-token entropy of the current policy"),
     "ref_log_prob": T.float32(R, doc="log-probs of responses under the frozen reference"),
+    "old_logprob_metrics": T.json().metric(),
     "values": T.float32(R, doc="critic values per response token"),
     # advantage
     "advantages": T.float32(R),
@@ -75,18 +80,16 @@ def _cols(*names: str) -> dict[str, ColumnType]:
 
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-_LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
-# estimator -> (granularity it needs, needs values)
-ESTIMATORS: Mapping[str, tuple[str, bool]] = MappingProxyType({
-    "gae": ("batch", True),
-    "grpo": ("group", False),
-    "drgrpo": ("group", False),
-    "rloo": ("group", False),
-    "reinforce_plus_plus": ("batch", False),
-    "reinforce_plus_plus_baseline": ("batch", False),
+# What a PPO/GRPO pipeline reports per step (Pipeline(summaries=...)): each column's per-row sum,
+# as mean/max/min over real rows. The score is the headline (its mean is the reward curve).
+SUMMARIES: Mapping[str, str] = MappingProxyType({
+    "token_level_scores": "score",
+    "token_level_rewards": "reward",
+    "response_mask": "response_length",
 })
+# What validation produces (Pipeline(validation=...)): the scores of the validation prompts.
+VALIDATION = ("token_level_scores",)
 
 
 def prompt_source(**params: Param) -> DataSource:
@@ -120,33 +123,63 @@ def prompt_source(**params: Param) -> DataSource:
     )
 
 
+def _validate_generate(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    from rlgraph.ops.rollout import parse_token_ids
+
+    try:
+        parse_token_ids(str(params.get("stop_token_ids", "")))
+    except ValueError as e:
+        return [Problem("op-config", str(e), "give token ids separated by commas, e.g. rollout.stop_token_ids=7,9")]
+    return []
+
+
 def generate(group: str = "actor", **changes: Any) -> OpSpec:
-    """Sample n responses per prompt with the current policy (one call per group of n rows)."""
+    """Sample n responses per prompt with the current policy: one call per rank with all of its prompts,
+    each group handed on as soon as it is done (vLLM: continuous batching; hf: per micro-batch)."""
     return OpSpec(
         name="generate",
         inputs=_cols("prompt_ids", "policy_weights"),
         outputs=_cols("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                      "rollout_log_probs"),
+                      "rollout_log_probs", "rollout_metrics"),
         granularity="group",
         group=group,
         config_key="rollout",
         params={
             "n": Param(int, 4, "responses sampled per prompt (the group size)", minimum=1),
-            "model_path": Param(str, "", "policy model directory for a generation-only group (default: actor.model_path)"),
+            "backend": Param(str, "hf", "hf: transformers generate, a micro-batch at a time; vllm: a vLLM engine per "
+                             "rank, continuous batching (install with scripts/setup.sh --vllm=cpu or rlgraph[vllm])",
+                             choices=("hf", "vllm"), setup=True),
+            "model_path": Param(str, "", "policy model directory for a generation-only group (default: actor.model_path)",
+                                setup=True),
             "temperature": Param(float, 1.0, "sampling temperature (0: greedy)", minimum=0.0),
             "top_p": Param(float, 1.0, "nucleus sampling mass", minimum=0.0),
             "top_k": Param(int, 0, "sample from the k most likely tokens (0: off)", minimum=0),
             "max_new_tokens": Param(int, 16, "response length limit in tokens", minimum=1),
-            "backend": Param(str, "hf", "hf: transformers generate (a vLLM backend is planned, not yet available)",
-                             choices=("hf",)),
-            "micro_batch_size": Param(int, 16, "prompts per generation call on a rank", minimum=1),
-            "calculate_log_probs": Param(bool, False, "also return rollout_log_probs"),
+            "stop_token_ids": Param(str, "", "token ids that end a response besides EOS, comma-separated (e.g. '7,9')"),
+            "micro_batch_size": Param(int, 16, "hf: prompts per transformers generate call (each call's samples are "
+                                      "handed on when it ends); vllm: unused, the engine batches continuously",
+                                      minimum=1),
+            "dtype": Param(str, "auto", "vllm: weights' dtype (auto: the model's on a GPU, float32 on CPU)",
+                           choices=("auto", "float32", "bfloat16", "float16"), setup=True),
+            "max_model_len": Param(int, 0, "vllm: longest prompt + response in tokens (0: the model's own limit)",
+                                   minimum=0, setup=True),
+            "gpu_memory_utilization": Param(float, 0.5, "vllm on a GPU: share of its memory the engine may take",
+                                            minimum=0.0, setup=True),
+            "cpu_kv_cache_gb": Param(int, 1, "vllm on CPU: KV-cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)",
+                                     minimum=1, setup=True),
+            "enforce_eager": Param(bool, True, "vllm: run the model eagerly (no CUDA graphs or compilation: quick to "
+                                   "start)", setup=True),
+            "sleep_mode": Param(bool, True, "vllm on a GPU shared with the update: free the engine's memory during the "
+                                "update and wake it before generating", setup=True),
         },
         impl="rlgraph.ops.actor:ActorWorker.generate",
         group_size_param="n",
-        batching=Batching(micro_batch="micro_batch_size"),
+        batching=Batching(micro_batch="micro_batch_size", per_rank=True),
+        streams=True,
+        validate=_validate_generate,
         cost=5.0,
-        doc="Generate n responses per prompt; weights are synced from update_actor once per step.",
+        doc="Generate n responses per prompt, streaming each finished group; weights are synced from update_actor "
+            "once per step.",
     ).with_(**changes)
 
 
@@ -175,9 +208,6 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
     ``<name>_metrics``. Give another `name` and `score_column` for one source of a mixed reward
     (see `combine_rewards`). A group of several ranks is a pool of reward workers: calls go to the
     least-loaded idle rank (``load/<name>/rank_<r>/rows`` in the metrics)."""
-    from rlgraph.ops.reward import ON_ERROR
-    from rlgraph.ops.scoring import EXECUTORS
-
     return OpSpec(
         name=name,
         inputs=_cols("prompts", "responses", "response_mask", "data_source", "ground_truth", "extra_info"),
@@ -204,6 +234,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         },
         impl="rlgraph.ops.reward:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
+        drops=True,  # on_error=drop_group
         validate=_validate_reward,
         cost=0.5,
     ).with_(**changes)
@@ -226,12 +257,13 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
         group=group,
         params={
             "model_path": Param(str, "", "directory of a Hugging Face sequence-classification model (num_labels=1) "
-                                "with its tokenizer"),
+                                "with its tokenizer", setup=True),
             "micro_batch_size": Param(int, 32, "samples per forward pass", minimum=1),
-            "offload": Param(bool, True, "on a GPU, keep the model on the CPU between calls (wake, score, sleep)"),
-            "dtype": Param(str, "float32", "weights' dtype", choices=("float32", "bfloat16", "float16")),
+            "offload": Param(bool, True, "on a GPU, keep the model on the CPU between calls (wake, score, sleep)",
+                             setup=True),
+            "dtype": Param(str, "float32", "weights' dtype", choices=("float32", "bfloat16", "float16"), setup=True),
             "check_tokenizer": Param(bool, True, "refuse a reward model whose tokenizer maps the policy's tokens to "
-                                     "other ids (it reads the policy's token ids directly)"),
+                                     "other ids (it reads the policy's token ids directly)", setup=True),
         },
         config_key="reward_model",  # the worker class reads its settings there, whatever the op's name
         impl="rlgraph.ops.reward_model:RewardModelWorker.compute_rm_score",
@@ -281,10 +313,19 @@ def _forward(name: str, output: tuple[str, ...], group: str, impl: str, state: s
 
 
 def old_logprob(group: str = "actor", **changes: Any) -> OpSpec:
-    """Log-probs (and entropy) of the responses under the current policy."""
-    return _forward("old_logprob", ("old_log_probs", "entropy"), group,
+    """Log-probs (and entropy) of the responses under the current policy, compared with the rollout
+    engine's (``rollout_probs_diff`` metrics: how far the engine's distribution is from the trainer's)."""
+    spec = _forward("old_logprob", ("old_log_probs", "entropy", "old_logprob_metrics"), group,
                     "rlgraph.ops.actor:ActorWorker.compute_log_prob", "policy_weights",
-                    "Forward pass of the actor on response tokens.").with_(**changes)
+                    "Forward pass of the actor on response tokens.")
+    return spec.with_(
+        inputs={**spec.inputs, **_cols("rollout_log_probs")},
+        optional_inputs={"rollout_log_probs"},
+        params={**spec.params, "compare_rollout": Param(
+            bool, True, "compare with the rollout engine's log-probs of the same tokens (rollout_probs_diff_mean/max "
+            "metrics); makes generate return them")},
+        uses=lambda params: {"rollout_log_probs"} if params.get("compare_rollout") else set(),
+    ).with_(**changes)
 
 
 def ref(group: str = "actor", **changes: Any) -> OpSpec:
@@ -305,8 +346,8 @@ def _validate_advantage(granularity: str):
     def validate(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
         out: list[Problem] = []
         est = params.get("estimator")
-        if est in ESTIMATORS:
-            need, needs_values = ESTIMATORS[est]
+        if est in ESTIMATOR_NEEDS:
+            need, needs_values = ESTIMATOR_NEEDS[est]
             if need == "batch" and granularity != "batch":
                 out.append(Problem(
                     "op-config", f"algorithm.estimator={est!r} whitens over the whole batch, but the advantage "
@@ -330,7 +371,7 @@ def _validate_advantage(granularity: str):
 
 
 def _advantage_uses(params: Mapping[str, Any]) -> set[str]:
-    used = {"values"} if ESTIMATORS.get(params.get("estimator"), ("", False))[1] else set()
+    used = {"values"} if ESTIMATOR_NEEDS.get(params.get("estimator"), ("", False))[1] else set()
     if params.get("use_kl_in_reward"):
         used |= {"old_log_probs", "ref_log_prob"}
     return used
@@ -340,7 +381,7 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
     """Advantages and returns: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline); KL in reward."""
     if estimator not in ESTIMATORS:
         raise DeclarationError(f"unknown advantage estimator {estimator!r}; use one of {', '.join(ESTIMATORS)}")
-    granularity = ESTIMATORS[estimator][0]
+    granularity = ESTIMATOR_NEEDS[estimator][0]
     return OpSpec(
         name="advantage",
         inputs={**_cols("token_level_scores", "response_mask"), **SYSTEM_COLUMNS,
@@ -351,12 +392,12 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
         config_key="algorithm",
         optional_inputs={"values", "old_log_probs", "ref_log_prob"},
         params={
-            "estimator": Param(str, estimator, "advantage estimator", choices=tuple(ESTIMATORS)),
+            "estimator": Param(str, estimator, "advantage estimator", choices=ESTIMATORS),
             "gamma": Param(float, 1.0, "discount factor", minimum=0.0),
             "lam": Param(float, 1.0, "GAE lambda", minimum=0.0),
             "norm_adv_by_std": Param(bool, True, "GRPO: divide by the group std (false: Dr.GRPO)"),
             "use_kl_in_reward": Param(bool, False, "subtract kl_coef * KL(policy || ref) from token rewards"),
-            "kl_penalty": Param(str, "kl", "KL estimator for the reward penalty", choices=_KL),
+            "kl_penalty": Param(str, "kl", "KL estimator for the reward penalty", choices=KL_KINDS),
             "kl_coef": Param(float, 0.001, "initial KL coefficient", minimum=0.0),
             "kl_ctrl": Param(str, "fixed", "fixed or adaptive KL coefficient", choices=("fixed", "adaptive")),
             "kl_target": Param(float, 0.1, "adaptive controller's KL target", minimum=0.0),
@@ -372,7 +413,8 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
 
 def _update_params(lr: float, extra: Mapping[str, Param]) -> dict[str, Param]:
     return {
-        "model_path": Param(str, "", "local Hugging Face model directory (the critic defaults to actor.model_path)"),
+        "model_path": Param(str, "", "local Hugging Face model directory (the critic defaults to actor.model_path)",
+                            setup=True),
         "lr": Param(float, lr, "learning rate", minimum=0.0),
         "mini_batch_size": Param(int, 4, "prompts per mini-batch (x n samples)", minimum=1),
         "micro_batch_size": Param(int, 8, "samples per micro-batch on a rank (gradient accumulation)", minimum=1),
@@ -380,8 +422,8 @@ def _update_params(lr: float, extra: Mapping[str, Param]) -> dict[str, Param]:
         "grad_clip": Param(float, 1.0, "max global gradient norm (0: off)", minimum=0.0),
         "weight_decay": Param(float, 0.0, "AdamW weight decay", minimum=0.0),
         "lr_warmup_steps": Param(int, 0, "linear LR warm-up, in optimizer steps", minimum=0),
-        "loss_agg_mode": Param(str, "token-mean", "how token losses are aggregated", choices=_LOSS_AGG),
-        "backend": Param(str, "torch", "torch (DDP over gloo/nccl) or deepspeed", choices=("torch", "deepspeed")),
+        "loss_agg_mode": Param(str, "token-mean", "how token losses are aggregated", choices=AGG_MODES),
+        "backend": Param(str, "torch", "torch (DDP over gloo/nccl) or deepspeed", choices=ENGINE_BACKENDS),
         "zero_stage": Param(int, 0, "DeepSpeed ZeRO stage (backend=deepspeed)", choices=(0, 1, 2, 3)),
         **extra,
     }
@@ -406,22 +448,34 @@ def update_critic(group: str = "critic", **changes: Any) -> OpSpec:
 
 
 def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    out = []
     if params.get("use_kl_loss") and "ref_log_prob" not in connected:
-        return [Problem("op-config", "actor.use_kl_loss=true needs column 'ref_log_prob', which no op produces",
-                        "add stages.ref() to the pipeline, or set actor.use_kl_loss=false", column="ref_log_prob")]
-    return []
+        out.append(Problem("op-config", "actor.use_kl_loss=true needs column 'ref_log_prob', which no op produces",
+                           "add stages.ref() to the pipeline, or set actor.use_kl_loss=false", column="ref_log_prob"))
+    if params.get("tis_cap") and "rollout_log_probs" not in connected:
+        out.append(Problem("op-config", "actor.tis_cap > 0 needs column 'rollout_log_probs', which no op produces",
+                           "generate with stages.generate(), or set actor.tis_cap=0", column="rollout_log_probs"))
+    return out
+
+
+def _actor_uses(params: Mapping[str, Any]) -> set[str]:
+    used = {"ref_log_prob"} if params.get("use_kl_loss") else set()
+    if params.get("tis_cap"):
+        used.add("rollout_log_probs")
+    return used
 
 
 def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
     """PPO clipped policy update (dual clip, KL loss, entropy bonus); skipped during critic warm-up."""
     return OpSpec(
         name="update_actor",
-        inputs=_cols(*_MODEL_INPUTS, "response_mask", "old_log_probs", "advantages", "ref_log_prob"),
+        inputs=_cols(*_MODEL_INPUTS, "response_mask", "old_log_probs", "advantages", "ref_log_prob",
+                     "rollout_log_probs"),
         outputs=_cols("actor_metrics", "policy_weights"),
         granularity="batch",
         group=group,
         config_key="actor",
-        optional_inputs={"ref_log_prob"},
+        optional_inputs={"ref_log_prob", "rollout_log_probs"},
         params=_update_params(1e-6, {
             "clip_ratio_low": Param(float, 0.2, "PPO clip below 1 (eps_low)", minimum=0.0),
             "clip_ratio_high": Param(float, 0.2, "PPO clip above 1 (eps_high)", minimum=0.0),
@@ -429,12 +483,15 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
             "entropy_coeff": Param(float, 0.0, "entropy bonus coefficient", minimum=0.0),
             "use_kl_loss": Param(bool, False, "add kl_loss_coef * KL(policy || ref) to the loss (GRPO style)"),
             "kl_loss_coef": Param(float, 0.001, "KL loss coefficient", minimum=0.0),
-            "kl_loss_type": Param(str, "low_var_kl", "KL estimator for the loss", choices=_KL),
+            "kl_loss_type": Param(str, "low_var_kl", "KL estimator for the loss", choices=KL_KINDS),
+            "tis_cap": Param(float, 0.0, "truncated importance sampling against the rollout engine: weight each "
+                             "token's policy loss by min(exp(old_log_probs - rollout_log_probs), tis_cap); 0: off",
+                             minimum=0.0),
         }),
         impl="rlgraph.ops.actor:ActorWorker.update_actor",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         skip_before="trainer.critic_warmup",
         validate=_validate_actor,
-        uses=lambda params: {"ref_log_prob"} if params.get("use_kl_loss") else set(),
+        uses=_actor_uses,
         cost=3.0,
     ).with_(**changes)

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-__all__ = ["Task", "TASKS", "TASK_CHARS", "make_rows", "write_task", "read_rows", "sft_examples", "evaluate"]
+__all__ = ["Task", "TASKS", "TASK_CHARS", "make_rows", "write_task", "sft_examples", "evaluate"]
 
 Split = Literal["train", "test"]
 
@@ -118,13 +118,6 @@ def write_task(name: str, out_path: str | Path, num_rows: int, seed: int = 0, sp
     else:
         raise ValueError(f"cannot write {str(out)!r}: use a .parquet or .jsonl file name")
     return out
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a parquet or JSONL file as plain dicts, read locally (no Ray; for scripts and tests)."""
-    from rlgraph.ops.data import read_table_rows
-
-    return read_table_rows(path, reader="local")
 
 
 def sft_examples(rows: Sequence[Mapping[str, Any]]) -> list[tuple[list[dict], str]]:

@@ -5,9 +5,10 @@ op (lr, backend, ZeRO stage, ...). Ranks of a group join one process group at se
 runtime gives each group rank 0's address and a free port), so DDP and DeepSpeed reduce
 gradients across the group's Ray actors.
 
-Sizes: the runtime hands each rank its share of the padded batch. The plan's mini-batch is
-``mini_batch_size`` prompts x n samples over all ranks, so a rank's share of one mini-batch is
-``mini_batch_size * n / dp`` samples, and every rank runs the same number of mini-batches.
+Sizes come from the plan (``ctx.batching``): the runtime hands each rank its share of the padded
+batch; a rank's share of one mini-batch is ``rank_mini_batch[0]`` samples (``mini_batch_size * n
+/ dp``, rounded down), its micro-batch ``micro_batch_size`` samples, and every rank runs the same
+number of mini-batches, ``epochs`` times.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import torch
 
 __all__ = ["section", "kept_rows", "TrainerMixin"]
 
-_ENGINE_PARAMS = ("lr", "weight_decay", "grad_clip", "lr_warmup_steps", "backend", "zero_stage")
-
 
 def kept_rows(ctx: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """[rows, 1]: 0 for rows tagged as padding in this call (rows added to fill the batch, and
@@ -28,7 +27,7 @@ def kept_rows(ctx: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
 
 
 def section(ctx: Any, name: str) -> Mapping[str, Any]:
-    """The ``name.*`` part of the resolved config (empty if the pipeline has none)."""
+    """The ``name.*`` part of the resolved config (empty if the pipeline has none); for setup."""
     return (ctx.config or {}).get(name, {}) if ctx is not None else {}
 
 
@@ -39,6 +38,7 @@ class TrainerMixin:
 
     def init_trainer(self, ctx: Any) -> None:
         self.rank, self.dp = ctx.rank, ctx.dp
+        self.seed = int(section(ctx, "trainer").get("seed", 0))
         self.engine = None
         self._pending_state: Mapping[str, Any] | None = None
         if ctx.dp > 1:
@@ -46,26 +46,28 @@ class TrainerMixin:
 
             init_distributed(ctx.rank, ctx.dp, master_addr=ctx.master_addr, master_port=ctx.master_port)
 
-    def train(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_fn: Callable, ctx: Any, n: int,
-              *, mini_batch_size: int, micro_batch_size: int, ppo_epochs: int = 1, **params: Any) -> dict[str, Any]:
-        """One update call: mini-batches x epochs over this rank's rows; returns averaged metrics."""
-        from rlgraph.ops.engine import EngineConfig, TrainEngine
+    def train(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_fn: Callable, ctx: Any, *,
+              lr: float, weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str,
+              zero_stage: int) -> dict[str, Any]:
+        """One update call: mini-batches x epochs over this rank's rows (sizes from ``ctx.batching``);
+        returns metrics averaged over the optimizer steps. The engine params apply on the first call."""
+        from rlgraph.ops.engine import EngineConfig, create_engine
 
         if self.engine is None:
-            cfg = EngineConfig(**{k: params[k] for k in _ENGINE_PARAMS if k in params},
-                               seed=int(section(ctx, "trainer").get("seed", 0)))
-            self.engine = TrainEngine.create(model, cfg, rank=self.rank, world_size=self.dp)
+            cfg = EngineConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, lr_warmup_steps=lr_warmup_steps,
+                               backend=backend, zero_stage=zero_stage, seed=self.seed)
+            self.engine = create_engine(model, cfg, rank=self.rank, world_size=self.dp)
             if self._pending_state is not None:
                 self.engine.load_state_dict(self._pending_state)
                 self._pending_state = None
+        b = ctx.batching
         rows = int(batch["response_mask"].shape[0])
-        per_rank = max(1, (mini_batch_size * int(n)) // self.dp)
+        per_rank = max(1, b.rank_mini_batch[0])
         model.train()
         history = self.engine.train(batch, loss_fn, mini_batch_size=min(per_rank, rows),
-                                    micro_batch_size=micro_batch_size, epochs=ppo_epochs,
-                                    seed=int(section(ctx, "trainer").get("seed", 0)) + 1000 * ctx.step)
+                                    micro_batch_size=b.micro_batch_size, epochs=b.epochs,
+                                    seed=self.seed + 1000 * ctx.step)
         return _summarise(history)
-
     def trainer_state(self) -> Mapping[str, Any] | None:
         return self.engine.state_dict() if self.engine is not None else self._pending_state
 

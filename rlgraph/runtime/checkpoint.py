@@ -6,9 +6,11 @@ each tensor goes into one safetensors file under a path key, the rest into a JSO
 that refers to those keys. Loading never unpickles anything, so a checkpoint from elsewhere
 cannot run code.
 
-Layout: ``DIR/checkpoints/step_<k>/`` holding ``meta.json`` (format, step, pipeline) and one
-``<name>.json`` + ``<name>.safetensors`` pair per state. A checkpoint is complete when its
-``meta.json`` exists (it is written last, then the folder is renamed into place).
+Layout: ``DIR/checkpoints/step_<k>/`` holding ``meta.json`` (format, step, pipeline, config) and
+one ``<name>.json`` + ``<name>.safetensors`` pair per state (``<group>_<rank>`` per worker,
+``source`` for the data source). A run's checkpoint is written to ``step_<k>.tmp`` and renamed
+into place when complete (`write_checkpoint`); `read_checkpoint` reads one back, and
+`check_compatible` refuses to resume a run with a config other than the one that wrote it.
 
 Every load path here reads only JSON (`json.loads`) and safetensors (`safetensors.torch.load_file`,
 which parses a JSON header and raw tensor bytes); nothing calls `pickle`, `torch.load` or Ray's
@@ -19,15 +21,18 @@ deserialiser on a file. A damaged file, or one from another checkpoint format, r
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlgraph.errors import RLGraphError
+from rlgraph.graph.plan import Plan
 
-__all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT"]
+__all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
+           "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "RESUMABLE_KEYS"]
 
 CHECKPOINT_FORMAT = "rlgraph.checkpoint.v1"
 _TENSOR = "__tensor__"
@@ -163,3 +168,62 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     if latest is not None:
         read_meta(latest)
     return latest
+
+
+# --------------------------------------------------------------------------- a run's checkpoints
+# config keys that may differ between a checkpoint and the run resuming it: they do not change results
+RESUMABLE_KEYS = ("trainer.steps", "trainer.val_every", "trainer.save_every", "trainer.max_retries",
+                  "trainer.schedule")
+
+
+def write_checkpoint(out_dir: Path, step: int, states: Mapping[str, Any], plan: Plan) -> Path:
+    """Write `states` (name -> state) as ``out_dir/checkpoints/step_<step>``, complete or not at all."""
+    d = Path(out_dir) / "checkpoints" / f"step_{step}"
+    tmp = d.with_name(d.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    for name, state in states.items():
+        save_state(state, tmp, name)
+    (tmp / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step,
+                                               "pipeline": plan.pipeline, "config": plan.config}))
+    if d.exists():
+        shutil.rmtree(d)
+    tmp.rename(d)
+    return d
+
+
+def read_checkpoint(ckpt: Path, names: Iterable[str]) -> tuple[int, dict[str, Any]]:
+    """The step of checkpoint `ckpt` and its states `names` (each checked, JSON and safetensors only)."""
+    step = checkpoint_step(ckpt)
+    return step, {name: load_state(ckpt, name) for name in names}
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return int(read_meta(ckpt)["step"])
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def check_compatible(ckpt: Path, plan: Plan) -> None:
+    """--resume continues a run only with the config that wrote the checkpoint (steps may grow)."""
+    meta = read_meta(ckpt)
+    if meta.get("pipeline") not in (None, plan.pipeline):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} was written by pipeline {meta['pipeline']!r}, not "
+                              f"{plan.pipeline!r}; resume with the plan that wrote it, or use another output dir")
+    if "config" not in meta:
+        return
+    old, new = _flat(meta["config"]), _flat(plan.config)
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_KEYS)
+    if diff:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:6])
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} was written with another config ({shown}{' ...' if len(diff) > 6 else ''}); "
+            f"--resume continues a run only with the same config (trainer.steps may change). Resume with the "
+            f"original overrides, or start a fresh run in another output dir")

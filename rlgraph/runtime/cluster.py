@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from rlgraph.errors import RLGraphError
+from rlgraph.graph.packing import Slot, pack
 from rlgraph.graph.plan import Plan
 
 __all__ = ["ClusterError", "RayHandle", "force_loopback", "start_ray", "missing_resources", "check_cluster"]
@@ -106,7 +107,8 @@ def start_ray(plan: Plan, address: str | None = None) -> RayHandle:
 def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
     """What the plan needs that `nodes` (each node's total resources) lack, as sentences.
 
-    Checks the totals, then that every bundle fits on some node (first-fit, largest first).
+    Checks the totals, then that every bundle fits on some node, by the compiler's packing rule
+    (`rlgraph.graph.packing.pack`) applied to the real nodes.
     """
     need_cpu = plan.cluster.required_cpus
     need_gpu = plan.cluster.required_gpus
@@ -120,24 +122,11 @@ def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
         out.append(f"{need_gpu:g} GPUs needed, the cluster has {have_gpu:g}")
     if out:
         return out
-    free = [[n.get("CPU", 0.0), n.get("GPU", 0.0)] for n in nodes]
-    reserve = plan.cluster.dataplane_cpus
-    for f in free:
-        take = min(reserve, f[0])
-        f[0] -= take
-        reserve -= take
-    bundles = sorted(((p.name, b) for p in plan.pools for b in p.bundles),
-                     key=lambda x: (-x[1].num_gpus, -x[1].num_cpus, x[0], x[1].index))
-    for pool, b in bundles:
-        for f in free:
-            if f[0] + 1e-9 >= b.num_cpus and f[1] + 1e-9 >= b.num_gpus:
-                f[0] -= b.num_cpus
-                f[1] -= b.num_gpus
-                break
-        else:
-            out.append(f"pool {pool!r} slot {b.index} needs {b.num_cpus:g} CPU and {b.num_gpus:g} GPU on one node; "
-                       f"no node has that left")
-    return out
+    slots = [Slot(p.name, b.index, b.num_cpus, b.num_gpus, p.placement == "spread") for p in plan.pools
+             for b in p.bundles]
+    packing = pack([(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in nodes], slots, plan.cluster.dataplane_cpus)
+    return [f"pool {s.pool!r} slot {s.index} needs {s.cpus:g} CPU and {s.gpus:g} GPU on one node; no node has "
+            f"that left" for s in packing.unplaced]
 
 
 def check_cluster(plan: Plan) -> None:

@@ -1,4 +1,4 @@
-"""Calling an op body on a chunk of rows: import it, assemble arguments, check what it returns.
+"""Calling an op body on a chunk of rows: bind it, assemble arguments, check what it returns.
 
 The calling convention (docs/dsl.md):
 
@@ -7,44 +7,45 @@ The calling convention (docs/dsl.md):
   ``response_len``) right-padded with zeros to the longest row of the call, ``[rows, max_len]``
   (masks such as ``response_mask`` say which entries are real); ``str`` and ``json`` columns as
   lists; state columns as the value from the previous step (None at the first step);
-- params arrive as keyword arguments; a parameter named ``ctx`` receives the `OpContext`;
+- params arrive as keyword arguments, except those the runtime consumes itself (batching sizes,
+  the group size, setup-time params: ``OpPlan.runtime_params``), which the body receives only if
+  it names them; a parameter named ``ctx`` receives the `OpContext`, whose ``batching`` and
+  ``group_size`` come from the plan;
 - the op returns a dict with every declared output: per-sample columns with ``rows`` entries
   (a dense tensor, or a list of per-row tensors for ragged results); a dense ragged output is
   trimmed per row to the lengths of the input column with the same dimension name.
 
-Nothing here depends on Ray, so it is unit-tested directly.
+A body is bound to its declaration when the worker starts: a body that does not accept a
+declared input or param, or requires an argument nobody declares, fails the run at start-up
+with a `BindingError` naming both. Nothing here depends on Ray, so it is unit-tested directly.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from rlgraph.errors import RLGraphError
-from rlgraph.graph.plan import ColumnPlan, OpPlan, Plan
+from rlgraph.errors import OpError
+from rlgraph.graph.loader import resolve_impl
+from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
+from rlgraph.seeds import stable_seed
 
-__all__ = ["OpContext", "OpError", "stable_seed", "resolve_impl", "to_call_value", "check_outputs", "Invoker"]
+__all__ = ["OpContext", "OpError", "BindingError", "binding_problems", "to_call_value",
+           "check_outputs", "Invoker", "TORCH_DTYPES"]
 
 TORCH_DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
     "float64": torch.float64, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
     "bool": torch.bool,
 }
+_CTX = "ctx"
 
 
-def stable_seed(*parts: Any) -> int:
-    """A 31-bit seed from `parts` that is the same in every process (unlike `hash`)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-class OpError(RLGraphError):
-    """An op body failed or returned something that does not match its declaration."""
+class BindingError(OpError):
+    """An op body's signature does not match the op's declaration (columns and params)."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,22 @@ class OpContext:
     master_addr: str = "127.0.0.1"  # rank 0's address and a free port there: the group's
     master_port: int = 0  # torch.distributed rendezvous (DDP, DeepSpeed)
     outputs: tuple[str, ...] = ()  # the op's declared output columns, in declaration order
+    group_size: int = 1  # n: samples per prompt (the plan's batch.n)
+    batching: OpBatching | None = None  # how the plan splits this op's work (mini/micro-batches, epochs)
+    can_drop: bool = False  # the op is declared with drops=True
+    wanted: tuple[str, ...] = ()  # outputs some op reads or the pipeline keeps; others are dropped (skip computing them)
     # rows the op dropped in this call: index in the call -> (reason, whole group?); see `drop`
     dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)
 
     def drop(self, index: int, reason: str, group: bool = False) -> None:
         """Drop row `index` of this call from training (with `group=True`, every sample of its
         group). The runtime counts it under ``samples/dropped/<reason>`` and treats it as padding
-        in every op that depends on this one; the op still returns a value for the row."""
+        in every op that depends on this one; the op still returns a value for the row. Only an
+        op declared with ``drops=True`` may drop rows."""
+        if not self.can_drop:
+            raise OpError(f"op {self.op!r} called ctx.drop but is not declared to drop rows; declare it with "
+                          f"drops=True (@op(..., drops=True) or OpSpec(drops=True)), so that the plan lists the "
+                          f"ops its drops reach")
         if not 0 <= index < len(self.rows):
             raise IndexError(f"ctx.drop({index}): this call has {len(self.rows)} rows")
         if not reason or "/" in reason:
@@ -80,33 +90,31 @@ class OpContext:
         self.dropped[index] = (reason, group)
 
 
-def resolve_impl(ref: str, impl_file: str | None = None) -> tuple[Any, str | None]:
-    """Import ``module:qualname``. Returns (object, class name) where the object is the function,
-    or the class when the qualname is ``Class.method`` (the caller instantiates it once)."""
-    module_name, sep, qualname = ref.partition(":")
-    if not sep:
-        raise OpError(f"op body reference {ref!r} is not of the form module:qualname")
-    try:
-        if module_name == "__main__" and impl_file:
-            # a script's ops: import the script as a module (its `if __name__ == "__main__":`
-            # block does not run), never the worker's own __main__
-            raise ImportError("defined in a script")
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        if not impl_file:
-            raise OpError(f"cannot import {module_name!r} for op body {ref!r}: {e}") from e
-        from rlgraph.graph.loader import import_file
+def binding_problems(fn: Callable, columns: Iterable[str], params: Iterable[str],
+                     runtime_params: Iterable[str] = ()) -> list[str]:
+    """Why `fn` cannot be called with the declared `columns` and `params` ([] if it can).
 
-        module = import_file(impl_file)
-    parts = qualname.split(".")
-    obj: Any = module
-    for i, part in enumerate(parts):
-        if not hasattr(obj, part):
-            raise OpError(f"op body {ref!r}: {'.'.join(parts[:i]) or module_name!r} has no attribute {part!r}")
-        if i == len(parts) - 1 and inspect.isclass(obj):
-            return obj, part
-        obj = getattr(obj, part)
-    return obj, None
+    Every column and every param outside `runtime_params` is passed by name, so the body must
+    accept each (or take ``**kwargs``); a body parameter without a default that is neither
+    declared nor ``ctx`` would never be given a value."""
+    sig = inspect.signature(fn).parameters
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.values())
+    columns, params, runtime = list(columns), list(params), set(runtime_params)
+    problems = []
+    if not var_kw:
+        cols = [c for c in columns if c not in sig]
+        prms = [k for k in params if k not in sig and k not in runtime]
+        if cols:
+            problems.append(f"does not accept declared input column(s) {cols}")
+        if prms:
+            problems.append(f"does not accept declared param(s) {prms}")
+    declared = set(columns) | set(params) | {_CTX}
+    required = [n for n, p in sig.items() if n not in declared and p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        problems.append(f"requires argument(s) {required}, which the op declares neither as input columns nor as "
+                        f"params")
+    return problems
 
 
 def to_call_value(col: ColumnPlan, values: Any) -> Any:
@@ -143,44 +151,62 @@ def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> di
     return out
 
 
-def check_outputs(plan: Plan, op: OpPlan, result: Any, n_rows: int,
-                  lengths: Mapping[str, list[int]]) -> dict[str, Any]:
-    """Validate an op's return value and convert per-sample outputs to per-row lists/tensors."""
-    where = f"op {op.name!r}"
+def _per_row(col: ColumnPlan) -> bool:
+    """A per-sample data column: one entry per row of a call (what a streaming body yields in parts)."""
+    return col.level == "sample" and col.kind == "data"
+
+
+def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths: Mapping[str, Sequence[int]]) -> Any:
+    """One output as the runtime stores it: per-sample columns checked for one entry per row and
+    brought to per-row tensors (dense ragged values trimmed to the rows' lengths)."""
+    col = plan.columns[name]
+    if not _per_row(col):
+        return value
+    size = len(value) if isinstance(value, (list, tuple)) else (
+        value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None)
+    if size != n_rows:
+        raise OpError(f"op {op.name!r}: output {name!r} has {size} rows for a call on {n_rows} rows; return one "
+                      f"entry per row")
+    if col.dtype in ("str", "json", "opaque"):
+        return list(value)
+    ragged = [(axis, d) for axis, d in enumerate(col.shape) if isinstance(d, str)]
+    if isinstance(value, torch.Tensor) and ragged and ragged[0][1] in lengths:
+        lens = lengths[ragged[0][1]]
+        axis = ragged[0][0]
+        value = [value[i].narrow(axis, 0, min(lens[i], value.shape[axis + 1])) for i in range(n_rows)]
+    if isinstance(value, torch.Tensor):
+        return value.to(TORCH_DTYPES[col.dtype])
+    return [torch.as_tensor(v).to(TORCH_DTYPES[col.dtype]) for v in value]
+
+
+def _check_columns(op: OpPlan, result: Any, expected: Sequence[str], what: str) -> None:
+    """`result` (what the body `what`: returned, yielded) holds exactly the columns `expected`."""
     if not isinstance(result, Mapping):
-        raise OpError(f"{where} returned {type(result).__name__}; it must return a dict with columns "
-                      f"{op.outputs}")
-    missing = [c for c in op.outputs if c not in result]
-    extra = [c for c in result if c not in op.outputs]
+        raise OpError(f"op {op.name!r} {what} {type(result).__name__}; it must give a dict with columns "
+                      f"{list(expected)}")
+    missing = [c for c in expected if c not in result]
+    extra = [c for c in result if c not in expected]
     if missing or extra:
-        raise OpError(f"{where} returned columns {sorted(result)}, but declares {op.outputs}"
+        raise OpError(f"op {op.name!r} {what} columns {sorted(result)}, but declares {list(expected)}"
                       + (f"; missing {missing}" if missing else "") + (f"; undeclared {extra}" if extra else "")
                       + "; return exactly the declared outputs")
-    out: dict[str, Any] = {}
-    for name in op.outputs:
-        col = plan.columns[name]
-        value = result[name]
-        if col.level == "batch" or col.kind != "data":
-            out[name] = value
-            continue
-        size = len(value) if isinstance(value, (list, tuple)) else (
-            value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None)
-        if size != n_rows:
-            raise OpError(f"{where}: output {name!r} has {size} rows for a call on {n_rows} rows; return one "
-                          f"entry per row")
-        if col.dtype in ("str", "json", "opaque"):
-            out[name] = list(value)
-            continue
-        ragged = [(axis, d) for axis, d in enumerate(col.shape) if isinstance(d, str)]
-        if isinstance(value, torch.Tensor) and ragged and ragged[0][1] in lengths:
-            lens = lengths[ragged[0][1]]
-            axis = ragged[0][0]
-            value = [value[i].narrow(axis, 0, min(lens[i], value.shape[axis + 1])) for i in range(n_rows)]
-        if isinstance(value, torch.Tensor):
-            out[name] = value.to(TORCH_DTYPES[col.dtype])
-        else:
-            out[name] = [torch.as_tensor(v).to(TORCH_DTYPES[col.dtype]) for v in value]
-    return out
+
+
+def check_outputs(plan: Plan, op: OpPlan, result: Any, n_rows: int,
+                  lengths: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """Validate an op's return value and convert per-sample outputs to per-row lists/tensors."""
+    _check_columns(op, result, op.outputs, "returned")
+    return {name: _convert(plan, op, name, result[name], n_rows, lengths) for name in op.outputs}
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """An op's body with what it is passed: every input, the params outside runtime_params, and the
+    runtime params it names; ``ctx`` if it names it."""
+
+    fn: Callable
+    params: Mapping[str, Any]
+    takes_ctx: bool
 
 
 class Invoker:
@@ -194,70 +220,129 @@ class Invoker:
         self.dp = dp
         self.master_addr = master_addr
         self.master_port = master_port
+        self.seed = int(plan.config.get("trainer", {}).get("seed", 0))
         self.instances: dict[str, Any] = {}
-        self.fns: dict[str, Callable] = {}
+        self.bound: dict[str, _Bound] = {}
         self.state: dict[str, Any] = {}  # state columns produced or imported here
         self.last_dropped: dict[int, tuple[str, bool]] = {}  # rows the last call dropped (ctx.drop)
+        self.last_rest: dict[str, Any] = {}  # a streaming call's outputs other than its per-sample ones
         for op in plan.ops:
             if op.group == group:
-                self.fns[op.name] = self._bind(op)
+                self.bound[op.name] = self._bind(op)
 
-    def _bind(self, op: OpPlan) -> Callable:
+    def _bind(self, op: OpPlan) -> _Bound:
         if not op.impl:
             raise OpError(f"op {op.name!r} has no body (impl) in the plan; declare it with @op on a function "
                           f"or give OpSpec(impl='module:qualname')")
         obj, method = resolve_impl(op.impl, op.impl_file)
-        if method is None:
-            return obj
-        key = f"{obj.__module__}:{obj.__qualname__}"
-        if key not in self.instances:
-            inst = obj()
-            setup = getattr(inst, "setup", None)
-            if callable(setup):
-                setup(self._worker_context())
-            self.instances[key] = inst
-        return getattr(self.instances[key], method)
+        fn = obj
+        if method is not None:
+            key = f"{obj.__module__}:{obj.__qualname__}"
+            if key not in self.instances:
+                inst = obj()
+                setup = getattr(inst, "setup", None)
+                if callable(setup):
+                    setup(self._worker_context())
+                self.instances[key] = inst
+            fn = getattr(self.instances[key], method)
+        problems = binding_problems(fn, [*op.inputs, *op.state_inputs], op.params, op.runtime_params)
+        if op.streams != inspect.isgeneratorfunction(fn):
+            problems.append("is a generator function (it streams its rows in parts), but the op is not declared "
+                            "streams=True" if not op.streams else "is declared streams=True but is not a generator "
+                            "function (a streaming body yields (rows, outputs) parts)")
+        if problems:
+            raise BindingError(
+                f"op {op.name!r}: its body {op.impl} " + "; ".join(problems) + ". Make the body's signature match "
+                f"the declaration: one parameter per input column, keyword-only parameters for params (params the "
+                f"runtime consumes, {op.runtime_params}, may be left out), or change the declaration")
+        sig = inspect.signature(fn).parameters
+        var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.values())
+        params = {k: v for k, v in op.params.items() if k not in op.runtime_params or k in sig or var_kw}
+        return _Bound(fn, params, _CTX in sig)
 
     def _worker_context(self) -> OpContext:
         return OpContext(op="", group=self.group, rank=self.rank, dp=self.dp, step=-1, chunk=-1,
-                         seed=int(self.plan.config.get("trainer", {}).get("seed", 0)), rows=(),
-                         is_padding=(), config=self.plan.config, master_addr=self.master_addr,
-                         master_port=self.master_port)
+                         seed=self.seed, rows=(), is_padding=(), config=self.plan.config,
+                         master_addr=self.master_addr, master_port=self.master_port, group_size=self.plan.batch.n)
 
-    def call(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
-             inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs."""
-        fn = self.fns[op.name]
+    def _start(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
+               inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None) -> tuple[Any, dict, OpContext | None]:
+        """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx."""
+        bound = self.bound[op.name]
         kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name]) for name in op.inputs
                                   if name in inputs}
         if "is_padding" in kwargs:  # the call's tags, which include rows dropped upstream in this step
             kwargs["is_padding"] = torch.tensor([bool(p) for p in is_padding], dtype=torch.bool)
-        for name, value in (batch_inputs or {}).items():
-            kwargs[name] = value
+        kwargs.update(batch_inputs or {})
         for name in op.state_inputs:
             kwargs[name] = self.state.get(name)
-        kwargs.update(op.params)
-        params = inspect.signature(fn).parameters
+        kwargs.update(bound.params)
         lengths = _row_lengths(self.plan, op, inputs)
         self.last_dropped = {}
         ctx = None
-        if "ctx" in params:
-            seed = stable_seed(self.plan.config.get("trainer", {}).get("seed", 0), step, op.name, chunk)
-            ctx = kwargs["ctx"] = OpContext(
-                op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step, chunk=chunk, seed=seed,
-                rows=tuple(rows), is_padding=tuple(is_padding), config=self.plan.config,
-                master_addr=self.master_addr, master_port=self.master_port,
-                lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs))
-        accepted = {k: v for k, v in kwargs.items() if k in params or _has_var_kw(params)}
-        result = fn(**accepted)
-        if ctx is not None:
-            self.last_dropped = dict(ctx.dropped)
-        out = check_outputs(self.plan, op, result, len(rows), lengths)
+        if bound.takes_ctx:
+            ctx = kwargs[_CTX] = OpContext(
+                op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step, chunk=chunk,
+                seed=stable_seed(self.seed, step, op.name, chunk), rows=tuple(rows), is_padding=tuple(is_padding),
+                config=self.plan.config, master_addr=self.master_addr, master_port=self.master_port,
+                lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs),
+                group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
+                wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored))
+        return bound.fn(**kwargs), lengths, ctx
+
+    def _keep_state(self, op: OpPlan, out: Mapping[str, Any]) -> None:
         for name in op.outputs:
             if self.plan.columns[name].kind == "state":
                 self.state[name] = out[name]
+
+    def call(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
+             inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs."""
+        result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+        if ctx is not None:
+            self.last_dropped = dict(ctx.dropped)
+        out = check_outputs(self.plan, op, result, len(rows), lengths)
+        self._keep_state(op, out)
         return out
 
-
-def _has_var_kw(params: Mapping[str, inspect.Parameter]) -> bool:
-    return any(p.kind == p.VAR_KEYWORD for p in params.values())
+    def stream(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
+               inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None
+               ) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """Run a streaming `op` on `rows`: yields ``(positions, outputs)`` for each part the body
+        yields (positions in the call, its per-sample outputs for them, checked and converted). Once
+        it is exhausted, `last_rest` holds the op's other outputs (metrics, state, batch columns) and
+        `last_dropped` the rows it dropped. Every row must be yielded exactly once."""
+        parts, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+        per_row = [c for c in op.outputs if _per_row(self.plan.columns[c])]
+        rest = [c for c in op.outputs if c not in per_row]
+        done = [False] * len(rows)
+        self.last_rest = {}
+        while True:
+            try:
+                item = next(parts)
+            except StopIteration as stop:
+                tail = stop.value if stop.value is not None else {}
+                break
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise OpError(f"op {op.name!r} yielded {type(item).__name__}; a streaming body yields (rows, outputs): "
+                              f"the positions of some of its call's rows and their per-sample outputs")
+            positions, outputs = [int(p) for p in item[0]], item[1]
+            bad = [p for p in positions if not 0 <= p < len(rows) or done[p]]
+            if bad or len(set(positions)) != len(positions):
+                raise OpError(f"op {op.name!r} yielded rows {bad or positions}, which are not in the call's {len(rows)} "
+                              f"rows or were yielded before; yield each row of the call once")
+            _check_columns(op, outputs, per_row, "yielded")
+            part_lengths = {k: [v[p] for p in positions] for k, v in lengths.items()}
+            for p in positions:
+                done[p] = True
+            yield positions, {c: _convert(self.plan, op, c, outputs[c], len(positions), part_lengths)
+                              for c in per_row}
+        missing = [i for i, d in enumerate(done) if not d]
+        if missing:
+            raise OpError(f"op {op.name!r} ended without yielding rows {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                          f"of its call; yield every row once")
+        _check_columns(op, tail, rest, "returned (after its last part)")
+        self.last_rest = dict(tail)
+        self._keep_state(op, self.last_rest)
+        if ctx is not None:
+            self.last_dropped = dict(ctx.dropped)

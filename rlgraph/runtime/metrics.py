@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from rlgraph.runtime.trace import Span
 
-__all__ = ["step_metrics", "flatten_metrics", "MetricsWriter"]
+__all__ = ["step_metrics", "flatten_metrics", "MetricsWriter", "write_curve_svg"]
 
 
 def _stats(prefix: str, values: list[float]) -> dict[str, float]:
@@ -39,7 +39,21 @@ def flatten_metrics(prefix: str, value: Any) -> dict[str, float]:
     return out
 
 
-def step_metrics(step: int, *, summaries: Mapping[str, list[float]], op_metrics: Mapping[str, list[Any]],
+def _merge(key: str, values: list[float]) -> float:
+    """One op metric over the step's calls (one record per call or per rank): counts (names ending in
+    ``_count``) add up, maxima (``_max``) and minima (``_min``) stay extreme, anything else is averaged.
+    Durations and rates (``_s``) are reported as ``timing/<op>/<key>``."""
+    if key.endswith("_count"):
+        return sum(values)
+    if key.endswith("_max"):
+        return max(values)
+    if key.endswith("_min"):
+        return min(values)
+    return sum(values) / len(values)
+
+
+def step_metrics(step: int, *, summaries: Mapping[str, list[float]], names: Mapping[str, str],
+                 op_metrics: Mapping[str, list[Any]],
                  spans: Iterable[Span], wall_s: float, real_rows: int, pad_rows: int,
                  driver_payload_bytes: int, driver_result_bytes: int, schedule: str,
                  dropped: Mapping[str, int] | None = None) -> dict[str, Any]:
@@ -47,11 +61,10 @@ def step_metrics(step: int, *, summaries: Mapping[str, list[float]], op_metrics:
 
     Sample accounting: ``samples/real`` (produced by the source) = ``samples/trained`` +
     ``samples/dropped``; ``samples/padding`` counts the rows added to fill the padded batch;
-    ``samples/dropped/<reason>`` splits the drops by reason."""
-    from rlgraph.runtime.worker import SUMMARIES
-
+    ``samples/dropped/<reason>`` splits the drops by reason. `names` maps each summarised column
+    to its metric name (the pipeline's ``summaries``): ``<name>/mean``, ``/max``, ``/min``."""
     m: dict[str, Any] = {"step": step, "schedule": schedule}
-    for col, name in SUMMARIES.items():
+    for col, name in names.items():
         m.update(_stats(name, list(summaries.get(col, []))))
     busy: dict[str, float] = defaultdict(float)
     first: dict[str, float] = {}
@@ -77,8 +90,11 @@ def step_metrics(step: int, *, summaries: Mapping[str, list[float]], op_metrics:
         for rec in records:  # one per rank or per call: average them
             for k, v in flatten_metrics(op, rec).items():
                 merged[k].append(v)
-        # counts (names ending in _count) add up over calls; everything else is averaged
-        m.update({k: sum(v) if k.endswith("_count") else sum(v) / len(v) for k, v in sorted(merged.items())})
+        for k, v in sorted(merged.items()):
+            # a duration or a rate (a key ending in _s: seconds, tokens_per_s) differs from run to run:
+            # it goes under timing/<op>/, with the step's other timings, not among the op's results
+            name = f"timing/{op}/{k.rsplit('/', 1)[1]}" if k.endswith("_s") else k
+            m[name] = _merge(k, v)
     m["timing/step_s"] = wall_s
     n_dropped = sum((dropped or {}).values())
     m["samples/real"] = real_rows
@@ -111,8 +127,8 @@ class MetricsWriter:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
-def write_curve_svg(path: Path, records: list[Mapping[str, Any]], key: str = "score/mean",
-                    title: str = "mean reward per step") -> Path | None:
+def write_curve_svg(path: Path, records: list[Mapping[str, Any]], key: str,
+                    title: str = "per step") -> Path | None:
     """A line chart of `key` against step (and its 10-step moving average); None if no step has it."""
     import html
 

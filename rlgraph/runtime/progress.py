@@ -9,24 +9,25 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = ["Reporter", "LogReporter", "RichReporter", "TensorBoardReporter", "make_reporter"]
 
 log = logging.getLogger("rlgraph")
 
-_HEADLINE = ("score/mean", "reward/mean", "response_length/mean", "timing/step_s", "driver/payload_bytes")
+_ALWAYS = ("timing/step_s", "driver/payload_bytes")  # shown after the pipeline's headline metrics
 
 
-def _headline(record: Mapping[str, Any]) -> str:
-    parts = [f"{k}={record[k]:.4g}" for k in _HEADLINE if isinstance(record.get(k), (int, float))]
+def _headline(record: Mapping[str, Any], keys: Sequence[str]) -> str:
+    parts = [f"{k}={record[k]:.4g}" for k in (*keys, *_ALWAYS) if isinstance(record.get(k), (int, float))]
     return " ".join(parts)
 
 
 class Reporter:
-    """Does nothing; subclasses show progress."""
+    """Does nothing; subclasses show progress. `start` gets the pipeline's headline metric keys
+    (its summaries' means) to show per step."""
 
-    def start(self, total_steps: int, first_step: int) -> None: ...
+    def start(self, total_steps: int, first_step: int, headline: Sequence[str] = ()) -> None: ...
     def step_started(self, step: int, chunks: Mapping[str, int]) -> None: ...
     def chunk_done(self, step: int, op: str) -> None: ...
     def step_done(self, record: Mapping[str, Any]) -> None: ...
@@ -39,13 +40,15 @@ class LogReporter(Reporter):
     def __init__(self, stream=None) -> None:
         self.stream = stream or sys.stderr
         self.total = 0
+        self.headline: Sequence[str] = ()
 
-    def start(self, total_steps: int, first_step: int) -> None:
-        self.total = total_steps
+    def start(self, total_steps: int, first_step: int, headline: Sequence[str] = ()) -> None:
+        self.total, self.headline = total_steps, headline
         print(f"rlgraph: running steps {first_step}..{total_steps - 1}", file=self.stream, flush=True)
 
     def step_done(self, record: Mapping[str, Any]) -> None:
-        print(f"step {record['step']}/{self.total - 1} {_headline(record)}", file=self.stream, flush=True)
+        print(f"step {record['step']}/{self.total - 1} {_headline(record, self.headline)}", file=self.stream,
+              flush=True)
 
 
 class RichReporter(Reporter):
@@ -58,8 +61,10 @@ class RichReporter(Reporter):
                                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=False)
         self.steps_task = None
         self.op_tasks: dict[str, Any] = {}
+        self.headline: Sequence[str] = ()
 
-    def start(self, total_steps: int, first_step: int) -> None:
+    def start(self, total_steps: int, first_step: int, headline: Sequence[str] = ()) -> None:
+        self.headline = headline
         self.progress.start()
         self.steps_task = self.progress.add_task("steps", total=total_steps, completed=first_step, info="")
 
@@ -74,7 +79,7 @@ class RichReporter(Reporter):
             self.progress.advance(self.op_tasks[op])
 
     def step_done(self, record: Mapping[str, Any]) -> None:
-        self.progress.update(self.steps_task, advance=1, info=_headline(record))
+        self.progress.update(self.steps_task, advance=1, info=_headline(record, self.headline))
 
     def close(self) -> None:
         self.progress.stop()

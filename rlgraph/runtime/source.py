@@ -21,10 +21,11 @@ from typing import Any, Mapping
 import torch
 
 from rlgraph.errors import RLGraphError
+from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, Plan
-from rlgraph.runtime.invoke import TORCH_DTYPES, resolve_impl
+from rlgraph.runtime.invoke import TORCH_DTYPES
 
-__all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad", "source_columns"]
+__all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad"]
 
 
 class SourceError(RLGraphError):
@@ -42,12 +43,6 @@ class StepRows:
     @property
     def num_rows(self) -> int:
         return len(self.uids)
-
-
-def source_columns(plan: Plan) -> dict[str, ColumnPlan]:
-    """The columns the data source produces (system columns included)."""
-    ops = {o.name for o in plan.ops}
-    return {name: c for name, c in plan.columns.items() if c.producer not in ops}
 
 
 def padding_value(col: ColumnPlan) -> Any:
@@ -104,7 +99,7 @@ class SourceWorker:
         config = dict(self.plan.config.get(self.plan.source, {}))
         seed = int(self.plan.config.get("trainer", {}).get("seed", 0))
         self.source = cls(config, seed)
-        self.columns = source_columns(self.plan)
+        self.columns = {c: self.plan.columns[c] for c in self.plan.source_columns}
         self.client = handle.connect()
 
     def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False

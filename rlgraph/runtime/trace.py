@@ -32,6 +32,7 @@ class Span:
     rows: int
     start: float  # seconds since the epoch
     end: float
+    parts: tuple[tuple[float, int], ...] = ()  # a streaming call: (time, rows) of each part handed over
 
     @property
     def duration(self) -> float:
@@ -55,6 +56,9 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
             "ts": round((s.start - t0) * 1e6, 1), "dur": round(s.duration * 1e6, 1),
             "args": {"step": s.step, "chunk": s.chunk, "rows": s.rows},
         })
+        for t, rows in s.parts:  # instant events: when a streaming call handed over each part
+            events.append({"name": f"{s.op} part", "cat": f"step{s.step}", "ph": "i", "s": "t", "pid": pid[s.group],
+                           "tid": s.rank, "ts": round((t - t0) * 1e6, 1), "args": {"chunk": s.chunk, "rows": rows}})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1) + "\n")
@@ -88,6 +92,9 @@ def write_timeline_svg(spans: Iterable[Span], path: str | Path, title: str = "ti
         tip = f"{s.op} step {s.step} chunk {s.chunk}: {s.rows} rows, {s.duration * 1e3:.1f} ms"
         out.append(f'<rect x="{x(s.start):.2f}" y="{y}" width="{w:.2f}" height="{lane_h - 4}" '
                    f'fill="{colour[s.op]}" stroke="#333" stroke-width="0.3"><title>{html.escape(tip)}</title></rect>')
+        for t, rows in s.parts:  # a tick where a streaming call handed over a part
+            out.append(f'<line x1="{x(t):.2f}" y1="{y}" x2="{x(t):.2f}" y2="{y + lane_h - 4}" stroke="#000" '
+                       f'stroke-width="1"><title>{html.escape(f"{s.op}: {rows} rows handed over")}</title></line>')
     axis_y = top + lane_h * len(lanes) + 15
     for k in range(6):
         t = total * k / 5

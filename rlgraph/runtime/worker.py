@@ -14,21 +14,26 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
+from rlgraph.errors import OpError
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.dataplane import RowBatch
-from rlgraph.runtime.invoke import Invoker, OpError
+from rlgraph.runtime.invoke import Invoker
 from rlgraph.runtime.trace import Span
 
-__all__ = ["CallResult", "GroupWorker", "SUMMARIES"]
+__all__ = ["CallResult", "GroupWorker", "PartResult"]
 
-# Per-row summaries returned to the driver (a float per row, metadata-sized), for accuracy
-# metrics over real rows: column -> metric name. Sums over the response tokens.
-SUMMARIES = {"token_level_scores": "score", "token_level_rewards": "reward", "response_mask": "response_length"}
+
+@dataclass
+class PartResult:
+    """What a streaming call reports for each part as soon as it is in the data plane."""
+
+    rows: tuple[int, ...]  # the step's row ids whose outputs were just put
+    summaries: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,7 +42,8 @@ class CallResult:
 
     span: Span
     metrics: dict[str, Any] = field(default_factory=dict)  # metric columns the op produced
-    summaries: dict[str, dict[int, float]] = field(default_factory=dict)  # column -> row -> sum over tokens
+    # the pipeline's summarised columns: column -> row -> the row's sum (real rows only; a float per row)
+    summaries: dict[str, dict[int, float]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data outputs
     dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)  # row -> (reason, whole group?)
 
@@ -83,17 +89,63 @@ class GroupWorker:
         """Run `op_name` on `rows`. `fault` is the runner's fault-injection hook (tests): ``raise``
         makes the call fail before the body runs; ``kill`` / ``kill_after`` end this actor's
         process before the body runs / after the outputs are written."""
-        start = time.time()
-        op = self.plan.op(op_name)
-        rows = tuple(rows)
-        if fault == "kill":
-            os._exit(17)
-        try:
-            sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
-            inputs = self.client.get(RowBatch(partition, rows), sample_inputs) if sample_inputs and rows else {}
-            if fault == "raise":
-                raise RuntimeError(f"injected failure in {op_name} step {step} chunk {chunk}")
+        start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        with self._failures(op_name, step, chunk, rows, uids):
+            inputs = self._inputs(op, partition, rows, step, chunk, fault)
             out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+        self._put(partition, rows, out)
+        if fault == "kill_after":
+            os._exit(17)
+        dropped = dict(self.invoker.last_dropped)
+        return CallResult(
+            span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
+                      start=start, end=time.time()),
+            metrics={c: v for c, v in out.items() if self.plan.columns[c].kind == "metric"},
+            summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
+            batch_values={c: v for c, v in out.items()
+                          if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
+            dropped={rows[i]: why for i, why in dropped.items()},
+        )
+
+    def run_chunk_stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
+                         uids: Sequence[int], is_padding: Sequence[bool],
+                         batch_inputs: dict[str, Any] | None = None, fault: str | None = None
+                         ) -> Iterator[PartResult | CallResult]:
+        """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
+        yields and yields a `PartResult` for it at once, then the call's `CallResult`."""
+        start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        with self._failures(op_name, step, chunk, rows, uids):
+            inputs = self._inputs(op, partition, rows, step, chunk, fault)
+            parts = self.invoker.stream(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+        handed: list[tuple[float, int]] = []
+        while True:
+            with self._failures(op_name, step, chunk, rows, uids):
+                part = next(parts, None)
+            if part is None:
+                break
+            positions, out = part
+            part_rows = tuple(rows[p] for p in positions)
+            self._put(partition, part_rows, out)
+            handed.append((time.time(), len(part_rows)))
+            yield PartResult(part_rows, self._summaries(out, rows, positions, is_padding, {}))
+        if fault == "kill_after":
+            os._exit(17)
+        dropped = dict(self.invoker.last_dropped)
+        rest = self.invoker.last_rest
+        yield CallResult(
+            span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
+                      start=start, end=time.time(), parts=tuple(handed)),
+            metrics={c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"},
+            batch_values={c: v for c, v in rest.items()
+                          if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
+            dropped={rows[i]: why for i, why in dropped.items()},
+        )
+
+    @contextmanager
+    def _failures(self, op_name: str, step: int, chunk: int, rows: tuple[int, ...], uids: Sequence[int]):
+        """Turn anything an op body (or its inputs) raises into an `OpError` naming the call."""
+        try:
+            yield
         except Exception as e:
             keys = list(uids[:8]) + (["..."] if len(uids) > 8 else [])
             detail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
@@ -101,30 +153,34 @@ class GroupWorker:
                 f"op {op_name!r} failed on worker {self.group}[{self.rank}] at step {step} (chunk {chunk}, "
                 f"{len(rows)} rows, sample uids {keys}): {type(e).__name__}: {e}\n{detail}"
             ) from None
+
+    def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int,
+                fault: str | None) -> dict[str, Any]:
+        if fault == "kill":
+            os._exit(17)
+        sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
+        inputs = self.client.get(partition, rows, sample_inputs) if sample_inputs and rows else {}
+        if fault == "raise":
+            raise RuntimeError(f"injected failure in {op.name} step {step} chunk {chunk}")
+        return inputs
+
+    def _put(self, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
         put = {c: v for c, v in out.items()
                if self.plan.columns[c].level == "sample" and self.plan.columns[c].kind == "data"
                and self.plan.columns[c].stored}
         if put and rows:
             self.client.put(partition, rows, put)
-        if fault == "kill_after":
-            os._exit(17)
-        dropped = dict(self.invoker.last_dropped)
-        real = [i for i, p in enumerate(is_padding) if not p and i not in dropped]
+
+    def _summaries(self, out: dict[str, Any], rows: tuple[int, ...], positions: Sequence[int],
+                   is_padding: Sequence[bool], dropped: dict[int, Any]) -> dict[str, dict[int, float]]:
+        """Per summarised column, each real row's sum (`out` holds the rows at `positions`)."""
+        real = [k for k, p in enumerate(positions) if not is_padding[p] and p not in dropped]
         summaries = {}
-        for c in SUMMARIES:
+        for c in self.plan.summaries:
             if c in out:
                 sums = _row_sums(out[c]) if real else []
-                summaries[c] = {rows[i]: sums[i] for i in real}
-        result = CallResult(
-            span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
-                      start=start, end=time.time()),
-            metrics={c: v for c, v in out.items() if self.plan.columns[c].kind == "metric"},
-            summaries=summaries,
-            batch_values={c: v for c, v in out.items()
-                          if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
-            dropped={rows[i]: why for i, why in dropped.items()},
-        )
-        return result
+                summaries[c] = {rows[positions[k]]: sums[k] for k in real}
+        return summaries
 
     # ------------------------------------------------------------------ state
     def export_state(self, column: str) -> Any:

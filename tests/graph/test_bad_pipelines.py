@@ -97,6 +97,14 @@ CHECKED = [
     Checked("output_missing", ("output-missing",), ("scores",),
             r"pipeline output 'scores' is produced by nothing \(did you mean 'score'\?\)",
             r"remove 'scores' from outputs="),
+    Checked("summary_bad_column", ("summary-column", "summary-column", "summary-column"), ("scores", "verdict"),
+            r"summaries names column 'scores' \(metric 'score'\), which nothing produces \(did you mean 'score'\?\)"
+            r"(.|\n)*column 'verdict' \(metric 'score'\), which is str(.|\n)*2 summaries are named 'score'",
+            r"summarise a per-sample numeric data column"),
+    Checked("validation_unproduced", ("validation-column", "validation-column"), ("scores", "prompt"),
+            r"validation names column 'scores', which no op produces \(did you mean 'score'\?\)"
+            r"(.|\n)*validation names column 'prompt', which no op produces",
+            r"remove 'scores' from validation="),
     Checked("namespace_clash", ("config-namespace",), ("judge_format", "judge_length", "judge"),
             r"op 'judge_format' and op 'judge_length' both put their params under config namespace 'judge'",
             r"config_key='judge_2'"),

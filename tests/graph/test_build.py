@@ -7,7 +7,7 @@ import pytest
 
 from rlgraph import DataSource, Pipeline, T, WorkerGroup, op
 from rlgraph.errors import ConfigError
-from rlgraph.graph.build import build, config_schema, data_dag
+from rlgraph.graph.build import build, config_schema
 from rlgraph.graph.check import check
 
 PPO_OPS = ["generate", "reward", "old_logprob", "ref", "values", "advantage", "update_critic", "update_actor"]
@@ -42,15 +42,17 @@ def test_one_edge_per_column_per_consumer(ppo) -> None:
     # Inputs of each PPO op, all produced by exactly one node:
     #   generate 2 (prompt_ids, policy_weights)
     # + reward 6 (prompts, responses, response_mask, data_source, ground_truth, extra_info)
-    # + old_logprob 6 (input_ids, attention_mask, position_ids, responses, response_mask, policy_weights)
-    # + ref 5 (the same without policy_weights)
+    # + old_logprob 7 (input_ids, attention_mask, position_ids, responses, response_mask, policy_weights,
+    #   and its optional rollout_log_probs: old_logprob.compare_rollout is true by default)
+    # + ref 5 (the model inputs and response_mask)
     # + values 6 (the 5 model inputs + critic_weights)
     # + advantage 7 (token_level_scores, response_mask, uid, is_padding, values, old_log_probs, ref_log_prob)
     # + update_critic 7 (4 model inputs, response_mask, values, returns)
     # + update_actor 7 (4 model inputs, response_mask, old_log_probs, advantages; its optional
-    #   ref_log_prob is not connected: actor.use_kl_loss is false, the KL is in the reward)
-    # = 2 + 6 + 6 + 5 + 6 + 7 + 7 + 7 = 46
-    assert g.dag.number_of_edges() == 46
+    #   ref_log_prob and rollout_log_probs are not connected: actor.use_kl_loss is false, the KL is
+    #   in the reward, and actor.tis_cap is 0)
+    # = 2 + 6 + 7 + 5 + 6 + 7 + 7 + 7 = 47
+    assert g.dag.number_of_edges() == 47
     # generate -> reward carries prompts, responses, response_mask: three edges keyed by column
     assert set(g.dag.get_edge_data("generate", "reward")) == {"prompts", "responses", "response_mask"}
     for u, v, key, attrs in g.dag.edges(keys=True, data=True):
@@ -73,7 +75,7 @@ def test_policy_weights_are_a_state_edge_and_not_a_cycle(ppo) -> None:
     # With its state edges the graph loops back (step t feeds step t+1) ...
     assert not nx.is_directed_acyclic_graph(g.dag)
     # ... but the data edges alone are acyclic, and the checker finds no cycle.
-    d = data_dag(g)
+    d = g.data_dag
     assert nx.is_directed_acyclic_graph(d)
     assert not d.has_edge("update_actor", "generate")
     assert check(g) is g

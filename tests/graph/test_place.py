@@ -11,7 +11,8 @@ import pytest
 from rlgraph.graph.build import build
 from rlgraph.graph.check import check
 from rlgraph.graph.compile import compile_pipeline
-from rlgraph.graph.place import dataplane_cpus, place, resource_problems
+from rlgraph.graph.packing import dataplane_cpus
+from rlgraph.graph.place import place, resource_problems
 
 
 def _nodes(plan) -> dict[str, list[int]]:

@@ -107,7 +107,7 @@ def test_not_a_plan(tmp_path, text) -> None:
 def test_other_format_version(plan, tmp_path) -> None:
     raw = json.loads(plan.to_json())
     raw["version"] = 99
-    with pytest.raises(PlanError, match=r"is plan format version 99, but this rlgraph reads version 1; "
+    with pytest.raises(PlanError, match=r"is plan format version 99, but this rlgraph reads version 2; "
                                         r"recompile the pipeline"):
         load_plan(_write(tmp_path, json.dumps(raw)))
 

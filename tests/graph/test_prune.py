@@ -13,17 +13,20 @@ def judge(prompt: T.str()):
     return 1.0, "", {}
 
 
-def _pruned(pipeline) -> set[str]:
-    return {col for col, stored in prune(build(pipeline)).items() if not stored}
+def _pruned(pipeline, overrides=()) -> set[str]:
+    return {col for col, stored in prune(build(pipeline, overrides)).items() if not stored}
 
 
-def test_ppo_prunes_entropy_and_rollout_log_probs(ppo) -> None:
+def test_ppo_prunes_entropy_and_unread_rollout_log_probs(ppo) -> None:
     stored = prune(build(ppo))
-    # 6 source columns (4 + uid, is_padding) + generate 7 + reward 3 + old_logprob 2 + ref 1 + values 1
-    # + advantage 4 + update_critic 2 + update_actor 2 = 28 columns
-    assert len(stored) == 28
-    # nobody reads entropy (no entropy bonus op) or rollout_log_probs, and neither is an output
-    assert _pruned(ppo) == {"entropy", "rollout_log_probs"}
+    # 6 source columns (4 + uid, is_padding) + generate 8 + reward 3 + old_logprob 3 + ref 1 + values 1
+    # + advantage 4 + update_critic 2 + update_actor 2 = 30 columns
+    assert len(stored) == 30
+    # nobody reads entropy (no entropy bonus op), and it is not an output; old_logprob reads
+    # rollout_log_probs to compare them with its own (compare_rollout, on by default)
+    assert _pruned(ppo) == {"entropy"}
+    # without the comparison nobody reads them: pruned, and generate does not compute them (ctx.wanted)
+    assert _pruned(ppo, ["old_logprob.compare_rollout=false"]) == {"entropy", "rollout_log_probs"}
 
 
 def test_ppo_keeps_its_outputs_and_metrics(ppo) -> None:
@@ -36,7 +39,7 @@ def test_ppo_keeps_its_outputs_and_metrics(ppo) -> None:
 
 def test_grpo_prunes_returns(grpo) -> None:
     # no critic reads 'returns'; grpo lists no outputs, so token_level_rewards and reward_extra go too
-    assert _pruned(grpo) == {"entropy", "rollout_log_probs", "returns", "token_level_rewards", "reward_extra"}
+    assert _pruned(grpo) == {"entropy", "returns", "token_level_rewards", "reward_extra"}
     stored = prune(build(grpo))
     assert stored["advantage_metrics"] and stored["actor_metrics"]
     assert stored["policy_weights"]  # state, read by generate in the next step

@@ -52,7 +52,7 @@ def test_write_task_round_trips_parquet_and_jsonl(tmp_path):
     rows = tasks.make_rows("count", 20, seed=0)
     for ext in ("parquet", "jsonl"):
         path = tasks.write_task("count", tmp_path / f"c.{ext}", 20, seed=0)
-        assert tasks.read_rows(path) == rows
+        assert read_table_rows(path, reader="local") == rows
     with pytest.raises(ValueError, match="use a .parquet or .jsonl"):
         tasks.write_task("count", tmp_path / "c.csv", 2)
     with pytest.raises(ValueError, match="unknown task 'mul'; the built-in tasks are add, count"):
@@ -90,7 +90,7 @@ def _batches_equal(a, b):
 @pytest.mark.parametrize("ext", ["parquet", "jsonl"])
 def test_next_batch_returns_tokenised_prompts(tmp_path, ext):
     path = tasks.write_task("count", tmp_path / f"p.{ext}", 10, seed=0)
-    rows = tasks.read_rows(path)
+    rows = read_table_rows(path, reader="local")
     src = PromptSource({"path": str(path), "shuffle": False}, seed=0)
     batch = src.next_batch(4)
     assert set(batch) == {"prompt_ids", "data_source", "ground_truth", "extra_info"}
@@ -265,7 +265,7 @@ def ray_local():
 def test_ray_data_reads_the_same_rows_as_the_local_reader(ray_local, tmp_path):
     for ext in ("parquet", "jsonl"):
         path = tasks.write_task("count", tmp_path / f"c.{ext}", 40, seed=0)
-        assert read_table_rows(path, reader="ray") == read_table_rows(path, reader="local") == tasks.read_rows(path)
+        assert read_table_rows(path, reader="ray") == read_table_rows(path, reader="local")
 
 
 @pytest.mark.ray
@@ -276,7 +276,7 @@ def test_auto_reader_skips_ray_data_when_no_cpu_is_free(ray_local, tmp_path, mon
     calls = []
     monkeypatch.setattr(data, "_read_with_ray", lambda p, kind: calls.append(p))
     monkeypatch.setattr(data, "_ray_has_free_cpu", lambda: False)  # all CPUs held by worker groups
-    assert read_table_rows(path) == tasks.read_rows(path) and not calls
+    assert read_table_rows(path) == read_table_rows(path, reader="local") and not calls
     monkeypatch.setattr(data, "_ray_has_free_cpu", lambda: True)
     read_table_rows(path)  # the fake Ray read returns None (timed out): the local reader reads instead
     assert calls

@@ -105,12 +105,12 @@ def run_ranks(world_size: int, scenarios: list[dict], tmp_path: Path, timeout_s:
 
 def _worker(rank: int, world_size: int, port: int, spec: str, out: str) -> None:
     """One rank: join the group, run each scenario on this rank's rows, save weights/metrics/orders."""
-    from rlgraph.ops.engine import EngineConfig, EngineError, TrainEngine, init_distributed
+    from rlgraph.ops.engine import EngineConfig, EngineError, TrainEngine, create_engine, init_distributed
 
     init_distributed(rank, world_size, master_port=port, timeout_s=120)
     results = []
     for sc in json.loads(Path(spec).read_text()):
-        engine = TrainEngine.create(tiny_model(seed=rank), EngineConfig(**sc["config"]), rank, world_size)
+        engine = create_engine(tiny_model(seed=rank), EngineConfig(**sc["config"]), rank, world_size)
         batch = {k: v[sc["rows"][rank]] for k, v in make_batch(**sc["batch"]).items()}
         seen: list[int] = []
         loss_fn = LOSSES[sc["loss"]]
@@ -130,6 +130,13 @@ def _worker(rank: int, world_size: int, port: int, spec: str, out: str) -> None:
         result["optimizer_steps"] = engine.optimizer_steps
         results.append(result)
     torch.save(results, out)
+    # leave the group together: a rank that exits while gloo still talks to the other one can abort
+    # at interpreter exit ("terminate called without an active exception", seen once in CI)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
@@ -141,11 +148,11 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
 import pytest  # noqa: E402
 
 from rlgraph.errors import ConfigError  # noqa: E402
-from rlgraph.ops.engine import EngineConfig, EngineError, TrainEngine, init_distributed, lr_factor  # noqa: E402
+from rlgraph.ops.engine import EngineConfig, EngineError, TrainEngine, create_engine, init_distributed, lr_factor  # noqa: E402
 
 
 def engine_for(model_seed: int = 0, **cfg: Any) -> TrainEngine:
-    return TrainEngine.create(tiny_model(model_seed), EngineConfig(**cfg))
+    return create_engine(tiny_model(model_seed), EngineConfig(**cfg))
 
 
 def test_dp1_steps_lr_warmup_and_weights_change():
@@ -301,11 +308,11 @@ def test_config_and_create_errors():
                                           r"(.|\n)*zero_stage=2 needs backend='deepspeed'"):
         EngineConfig(lr=0, zero_stage=2, lr_schedule="cosine")
     with pytest.raises(EngineError, match=r"call init_distributed\(rank, world_size"):
-        TrainEngine.create(tiny_model(), EngineConfig(), rank=1, world_size=2)
+        create_engine(tiny_model(), EngineConfig(), rank=1, world_size=2)
     with pytest.raises(EngineError, match="needs master_port"):
         init_distributed(0, 2)
     with pytest.raises(EngineError, match="0 <= rank < world_size"):
-        TrainEngine.create(tiny_model(), EngineConfig(), rank=2, world_size=2)
+        create_engine(tiny_model(), EngineConfig(), rank=2, world_size=2)
 
 
 def test_init_distributed_single_rank_sets_env_without_a_group(monkeypatch):
@@ -346,7 +353,7 @@ def scenarios(config: dict) -> list[dict]:
 
 def dp1_reference(config: dict, sc: dict, order: list[int] | None = None) -> tuple[dict[str, torch.Tensor], list]:
     """The same scenario on one rank holding the whole batch (mini-batch = the global one): weights, metrics."""
-    engine = TrainEngine.create(tiny_model(seed=0), EngineConfig(**config))
+    engine = create_engine(tiny_model(seed=0), EngineConfig(**config))
     full = make_batch(**sc["batch"])
     batch = {k: v[order] for k, v in full.items()} if order else full
     train = {**sc["train"], "mini_batch_size": 2 * sc["train"]["mini_batch_size"]}

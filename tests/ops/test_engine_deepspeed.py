@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is de
               pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_scatter_tensor` is deprecated"),
               pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")]
 
-from rlgraph.ops.engine import EngineConfig, EngineError, TrainEngine  # noqa: E402
+from rlgraph.ops.engine import EngineConfig, EngineError, TrainEngine, create_engine  # noqa: E402
 
 
 def _load_helpers():
@@ -69,11 +69,11 @@ def train_twice(engine: TrainEngine, batch: dict) -> list[dict]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_trains_like_the_torch_engine(stage):
     batch = h.make_batch(16, seed=2)
-    reference = TrainEngine.create(h.tiny_model(0), EngineConfig(**CFG))
+    reference = create_engine(h.tiny_model(0), EngineConfig(**CFG))
     expected = train_twice(reference, batch)
 
     start = time.perf_counter()
-    engine = TrainEngine.create(h.tiny_model(0), EngineConfig(**ds_config(stage)))
+    engine = create_engine(h.tiny_model(0), EngineConfig(**ds_config(stage)))
     created = time.perf_counter() - start
     initial = h.weights_of(engine)
     got = train_twice(engine, batch)
@@ -91,12 +91,12 @@ def test_zero_stage_trains_like_the_torch_engine(stage):
 def test_cpu_engine_builds_no_extension():
     import deepspeed.comm.comm as ds_comm
 
-    TrainEngine.create(h.tiny_model(0), EngineConfig(**ds_config(1)))
+    create_engine(h.tiny_model(0), EngineConfig(**ds_config(1)))
     assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None  # the shm all-reduce was not compiled
 
 
 def test_zero3_partitions_and_gathers_full_weights():
-    engine = TrainEngine.create(h.tiny_model(0), EngineConfig(**ds_config(3)))
+    engine = create_engine(h.tiny_model(0), EngineConfig(**ds_config(3)))
     assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned: nothing local outside a gather
     full = engine.weights()
     h.assert_close(full, h.tiny_model(0).state_dict(), atol=0)  # same keys, full shapes, same values
@@ -107,10 +107,10 @@ def test_state_dict_round_trip(stage, tmp_path):
     from rlgraph.runtime.checkpoint import load_state, save_state
 
     batch = h.make_batch(16, seed=3)
-    a = TrainEngine.create(h.tiny_model(0), EngineConfig(**ds_config(stage)))
+    a = create_engine(h.tiny_model(0), EngineConfig(**ds_config(stage)))
     a.train(batch, h.token_mean_loss, 8, 4, seed=0)
     save_state(a.state_dict(), tmp_path, "engine")
-    b = TrainEngine.create(h.tiny_model(1), EngineConfig(**ds_config(stage)))  # other weights: all restored
+    b = create_engine(h.tiny_model(1), EngineConfig(**ds_config(stage)))  # other weights: all restored
     b.load_state_dict(load_state(tmp_path, "engine"))
     assert (b.steps, b.optimizer_steps, b.lr) == (a.steps, a.optimizer_steps, a.lr)
     h.assert_close(h.weights_of(b), h.weights_of(a), atol=0)
@@ -120,13 +120,13 @@ def test_state_dict_round_trip(stage, tmp_path):
 
 
 def test_state_from_another_stage_or_backend_is_refused():
-    engine = TrainEngine.create(h.tiny_model(0), EngineConfig(**ds_config(2)))
+    engine = create_engine(h.tiny_model(0), EngineConfig(**ds_config(2)))
     state = engine.state_dict()
-    other = TrainEngine.create(h.tiny_model(0), EngineConfig(**ds_config(1)))
+    other = create_engine(h.tiny_model(0), EngineConfig(**ds_config(1)))
     with pytest.raises(EngineError, match=r"\(zero_stage: saved 2, this engine 1\); restore with the backend"):
         other.load_state_dict(state)
     with pytest.raises(EngineError, match="backend: saved 'torch', this engine 'deepspeed'"):
-        other.load_state_dict(TrainEngine.create(h.tiny_model(0), EngineConfig(**CFG)).state_dict())
+        other.load_state_dict(create_engine(h.tiny_model(0), EngineConfig(**CFG)).state_dict())
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def test_build_tiny_model_does_not_disturb_the_global_rng(tmp_path):
 
 def test_build_tiny_model_rejects_bad_shapes(tmp_path):
     with pytest.raises(ValueError, match="hidden_size=30 is not divisible by num_heads=4"):
-        models.build_tiny_model(tmp_path, hidden_size=30)
+        models.build_tiny_model(tmp_path, hidden_size=30, num_heads=4)
     with pytest.raises(ValueError, match="arch='gpt2' is not supported"):
         models.build_tiny_model(tmp_path, arch="gpt2")  # type: ignore[arg-type]
 

@@ -177,10 +177,12 @@ def _edit(text: str, **changes) -> str:
 
 
 PLAN_CASES = {
-    "newer version": (lambda t: _edit(t, version=2),
-                      "is plan format version 2, but this rlgraph reads version 1; recompile the pipeline"),
-    "version as text": (lambda t: _edit(t, version="1"), "is plan format version '1', but this rlgraph reads version 1"),
-    "no version": (lambda t: _edit(t, version=...), "has no plan format version, but this rlgraph reads version 1"),
+    "newer version": (lambda t: _edit(t, version=3),
+                      "is plan format version 3, but this rlgraph reads version 2; recompile the pipeline"),
+    "older version": (lambda t: _edit(t, version=1),
+                      "is plan format version 1, but this rlgraph reads version 2; recompile the pipeline"),
+    "version as text": (lambda t: _edit(t, version="2"), "is plan format version '2', but this rlgraph reads version 2"),
+    "no version": (lambda t: _edit(t, version=...), "has no plan format version, but this rlgraph reads version 2"),
     "other format": (lambda t: _edit(t, format="verl.config"),
                      "is not an rlgraph plan (no \"format\": \"rlgraph.plan\"); pass a plan.json written by "
                      "`rlgraph compile` (its format is 'verl.config')"),

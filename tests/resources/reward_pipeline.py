@@ -61,4 +61,6 @@ pipeline = Pipeline(
         "trainer": {"steps": 1},
     },
     outputs=["advantages", "reward_extra"],
+    summaries=stages.SUMMARIES,
+    validation=stages.VALIDATION,
 )

@@ -93,4 +93,6 @@ pipeline = Pipeline(
             WorkerGroup("critic", num_cpus=0.5), WorkerGroup("adv", num_cpus=0.25)],
     cluster=Cluster(cpus_per_node=8),
     config={"data": {"batch_size": 5}, "gen": {"n": 2}, "trainer": {"steps": 3}},
+    summaries={"token_level_scores": "score"},
+    validation=["token_level_scores"],
 )

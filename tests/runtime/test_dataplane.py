@@ -7,7 +7,6 @@ own partition name and clears it, so tests do not see each other's rows.
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -21,11 +20,9 @@ import torch
 from rlgraph.errors import RLGraphError
 from rlgraph.runtime.dataplane import (
     DataPlaneError,
-    RowBatch,
     TransferQueueDataPlane,
     assemble_rows,
     check_tq_resources,
-    pad_ragged,
     payload_bytes_in_this_process,
     tq_resource_problems,
 )
@@ -54,31 +51,11 @@ RAGGED = [torch.arange(k, dtype=torch.int64) for k in (3, 1, 4, 2)]
 
 
 # --------------------------------------------------------------------------- no Ray needed
-def test_pad_ragged_pads_right_and_reports_lengths():
-    padded, lengths = pad_ragged([torch.tensor([1, 2, 3]), torch.tensor([4])], pad_value=-1)
-    assert padded.tolist() == [[1, 2, 3], [4, -1, -1]]
-    assert lengths.tolist() == [3, 1]
-    dense = torch.ones(2, 5)
-    same, lengths = pad_ragged(dense)  # what get() returns when all rows agree
-    assert same is dense and lengths.tolist() == [5, 5]
-    with pytest.raises(DataPlaneError, match="at least one dimension"):
-        pad_ragged([torch.tensor(1.0)])
-
-
 def test_assemble_rows_is_dense_only_when_rows_agree():
     assert _same(assemble_rows([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
     ragged = assemble_rows([torch.ones(2), torch.zeros(3)])
     assert isinstance(ragged, list) and [len(r) for r in ragged] == [2, 3]
     assert assemble_rows(["a", "b"]) == ["a", "b"]
-
-
-def test_row_batch_is_small_picklable_and_falsy_when_empty():
-    batch = RowBatch("step_0", tuple(range(256)), tuple(range(1000, 1256)), ("input_ids",))
-    assert pickle.loads(pickle.dumps(batch)) == batch
-    assert len(pickle.dumps(batch)) < 4096
-    assert not RowBatch("step_0", ())
-    with pytest.raises(DataPlaneError, match="3 rows but 1 keys"):
-        RowBatch("step_0", (0, 1, 2), (7,))
 
 
 def test_data_plane_error_is_an_rlgraph_error():
@@ -104,77 +81,47 @@ def test_put_get_dense_ragged_strings(plane):
     x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     plane.put(p, [0, 1, 2, 3], {"x": x, "ragged": RAGGED, "text": ["a", "bb", "", "dd"],
                                 "score": torch.tensor([0.5, 1.5, 2.5, 3.5])})
-    out = plane.get(RowBatch(p, (0, 1, 2, 3)), ["x", "ragged", "text", "score"])
+    out = plane.get(p, (0, 1, 2, 3), ["x", "ragged", "text", "score"])
     assert _same(out["x"], x)
     assert _same(out["ragged"], RAGGED)  # ragged comes back as a list of per-row tensors
     assert out["text"] == ["a", "bb", "", "dd"]
     assert _same(out["score"], torch.tensor([0.5, 1.5, 2.5, 3.5]))
     # a subset in any order; ragged rows that happen to agree come back dense
-    sub = plane.get(RowBatch(p, (3, 0)), ["x", "ragged"])
+    sub = plane.get(p, (3, 0), ["x", "ragged"])
     assert _same(sub["x"], x[[3, 0]])
     assert _same(sub["ragged"], [RAGGED[3], RAGGED[0]])
-    one = plane.get(RowBatch(p, (1,)), ["ragged", "text"])
+    one = plane.get(p, (1,), ["ragged", "text"])
     assert _same(one["ragged"], RAGGED[1].unsqueeze(0)) and one["text"] == ["bb"]
     plane.clear(p)
 
 
 @pytest.mark.ray
-def test_ready_returns_only_rows_with_every_column(plane):
+def test_columns_written_for_different_rows_are_read_back_per_row(plane):
     p = _part()
     plane.create_partition(p, 6)
     plane.put(p, [0, 1, 2, 3], {"a": torch.zeros(4, 2)})
     plane.put(p, [5, 3, 2], {"b": ["x", "y", "z"]})
-    batch = plane.ready(p, ["a", "b"], "op", max_rows=10)
-    assert batch.rows == (2, 3) and batch.columns == ("a", "b")
-    assert _same(plane.get(batch), {"a": torch.zeros(2, 2), "b": ["z", "y"]})
-    assert not plane.ready(p, ["a", "b"], "op", max_rows=10)
-    assert not plane.ready(p, ["a", "never_written"], "other", max_rows=10)
+    assert _same(plane.get(p, (2, 3), ["a", "b"]), {"a": torch.zeros(2, 2), "b": ["z", "y"]})
+    plane.put(p, [2], {"a": torch.ones(1, 2)})  # rewriting a cell replaces it
+    assert _same(plane.get(p, (3, 2), ["a"]), {"a": torch.tensor([[0.0, 0.0], [1.0, 1.0]])})
+    with pytest.raises(DataPlaneError, match="never written"):
+        plane.get(p, (4, 5), ["a", "b"])  # row 4 has no "b", row 5 no "a"
     plane.clear(p)
 
 
 @pytest.mark.ray
-def test_each_task_sees_every_row_once(plane):
-    p = _part()
-    n = 10
-    plane.create_partition(p, n)
-    seen = {"reward": [], "ref": []}
-    for start in range(0, n, 4):  # rows arrive in three puts while both tasks poll
-        rows = list(range(start, min(start + 4, n)))
-        plane.put(p, rows, {"responses": torch.tensor(rows)})
-        for task in seen:
-            while batch := plane.ready(p, ["responses"], task, max_rows=3):
-                assert len(batch) <= 3
-                seen[task] += batch.rows
-    assert seen["reward"] == list(range(n)) and seen["ref"] == list(range(n))
-    plane.clear(p)
-
-
-@pytest.mark.ray
-def test_ready_polls_and_returns_empty_at_once(plane):
-    p = _part()
-    plane.create_partition(p, 4)
-    t0 = time.perf_counter()
-    empty = plane.ready(p, ["x"], "op", max_rows=4)
-    unknown = plane.ready("no_such_partition", ["x"], "op", max_rows=4)
-    assert not empty and not unknown and empty.partition == p
-    assert time.perf_counter() - t0 < 1.0
-    plane.clear(p)
-
-
-@pytest.mark.ray
-def test_clear_drops_rows_data_and_consumption(plane):
+def test_clear_drops_rows_and_data(plane):
     p = _part()
     plane.create_partition(p, 3)
     plane.put(p, [0, 1, 2], {"x": torch.ones(3)})
-    assert plane.ready(p, ["x"], "op", 10).rows == (0, 1, 2)
     plane.clear(p)
-    assert not plane.ready(p, ["x"], "op2", 10)
     with pytest.raises(DataPlaneError, match=repr(p)):
-        plane.get(RowBatch(p, (0,)), ["x"])
-    plane.create_partition(p, 2)  # the name is free again; consumption starts afresh
+        plane.get(p, (0,), ["x"])
+    plane.create_partition(p, 2)  # the name is free again; nothing of the old rows is left
+    with pytest.raises(DataPlaneError):
+        plane.get(p, (0,), ["x"])
     plane.put(p, [0, 1], {"x": torch.tensor([7.0, 8.0])})
-    again = plane.ready(p, ["x"], "op", 10)
-    assert again.rows == (0, 1) and _same(plane.get(again)["x"], torch.tensor([7.0, 8.0]))
+    assert _same(plane.get(p, (0, 1), ["x"])["x"], torch.tensor([7.0, 8.0]))
     plane.clear(p)
     plane.clear("never_created")  # no-op
 
@@ -195,9 +142,9 @@ def test_misuse_raises_typed_errors(plane):
         plane.put(p, [0, 0], {"x": torch.ones(2)})
     plane.put(p, [0], {"x": torch.ones(1)})
     with pytest.raises(DataPlaneError, match="never written"):
-        plane.get(RowBatch(p, (0, 1)), ["x"])
-    with pytest.raises(DataPlaneError, match="max_rows must be >= 1"):
-        plane.ready(p, ["x"], "op", 0)
+        plane.get(p, (0, 1), ["x"])
+    with pytest.raises(DataPlaneError, match="needs columns"):
+        plane.get(p, (0,), [])
     plane.clear(p)
 
 
@@ -213,10 +160,10 @@ class _Worker:
             client.close()
         return payload_bytes_in_this_process()
 
-    def get(self, handle, batch, columns=None):
+    def get(self, handle, partition, rows, columns):
         client = handle.connect()
         try:
-            return client.get(batch, columns)
+            return client.get(partition, rows, columns)
         finally:
             client.close()
 
@@ -240,9 +187,8 @@ def test_put_in_one_actor_get_in_another_without_the_driver(plane, workers):
     put_bytes = ray.get(producer.put.remote(plane.handle(), p, list(range(5)),
                                             {"x": x, "text": list("abcde"), "ragged": ragged}))
     assert put_bytes >= x.numel() * 4  # counted in the producer's process
-    batch = plane.ready(p, ["x", "text", "ragged"], "learner", max_rows=5)  # driver: row ids only
-    assert batch.rows == (0, 1, 2, 3, 4)
-    out = ray.get(consumer.get.remote(plane.handle(), batch))
+    # the driver passes row ids only
+    out = ray.get(consumer.get.remote(plane.handle(), p, (0, 1, 2, 3, 4), ["x", "text", "ragged"]))
     assert _same(out["x"], x) and out["text"] == list("abcde")
     assert _same(out["ragged"], ragged)
     assert plane.payload_bytes_in_this_process() == before  # no payload went through the driver
@@ -250,7 +196,7 @@ def test_put_in_one_actor_get_in_another_without_the_driver(plane, workers):
 
 
 def _scenario(plane, p):
-    """Puts in several shapes and orders, then ready/get; returns everything observed."""
+    """Puts in several shapes and orders, then gets of several row subsets; returns everything read."""
     plane.create_partition(p, 8)
     seen = []
     plane.put(p, [4, 5, 6, 7], {"ids": torch.arange(8).reshape(4, 2), "text": ["e", "f", "g", "h"]})
@@ -258,15 +204,11 @@ def _scenario(plane, p):
     plane.put(p, [0, 1, 2, 3, 4, 5, 6, 7], {"resp": [torch.arange(k % 3 + 1) for k in range(8)],
                                             "mask": torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.bool),
                                             "logp": torch.linspace(-1, 0, 8, dtype=torch.float64)})
-    for task, cols, k in [("a", ["ids", "resp"], 3), ("a", ["ids", "resp"], 10), ("b", ["text"], 2),
-                          ("b", ["text", "mask"], 10), ("a", ["ids", "resp"], 1)]:
-        batch = plane.ready(p, cols, task, k)
-        seen.append((task, batch.rows))
-        if batch:
-            seen.append(plane.get(batch))
-            seen.append(plane.get(batch, ["resp", "mask", "logp"]))
+    for rows, cols in [((1, 3, 4), ["ids", "resp"]), ((5, 6, 7), ["ids", "resp"]), ((1, 3), ["text"]),
+                       ((4, 5, 6, 7), ["text", "mask"]), ((7, 1), ["resp", "mask", "logp"])]:
+        seen.append(plane.get(p, rows, cols))
     plane.put(p, [0, 2], {"ids": torch.tensor([[0, 1], [2, 3]]), "text": ["a", "c"]})
-    seen.append(plane.get(RowBatch(p, tuple(range(8))), ["ids", "text", "resp", "logp"]))
+    seen.append(plane.get(p, tuple(range(8)), ["ids", "text", "resp", "logp"]))
     plane.clear(p)
     return seen
 
@@ -275,11 +217,10 @@ def _scenario(plane, p):
 def test_backends_return_identical_results(tq_plane, ray_plane):
     from_tq = _scenario(tq_plane, _part())
     from_ray = _scenario(ray_plane, _part())
-    assert [s for s in from_tq if isinstance(s, tuple)] == [
-        ("a", (1, 3, 4)), ("a", (5, 6, 7)), ("b", (1, 3)), ("b", (4, 5, 6, 7)), ("a", ())]
-    assert len(from_tq) == len(from_ray)
+    assert len(from_tq) == len(from_ray) == 6
     for a, b in zip(from_tq, from_ray):
         assert _same(a, b), (a, b)
+    assert from_tq[2] == {"text": ["b", "d"]} and _same(from_tq[0]["ids"], torch.tensor([[10, 11], [30, 31], [0, 1]]))
 
 
 # --------------------------------------------------------------------------- TransferQueue only

@@ -7,8 +7,15 @@ import torch
 
 import rlgraph
 from rlgraph import DataSource, Pipeline, T, WorkerGroup, op
-from rlgraph.runtime.invoke import Invoker, OpError, resolve_impl, stable_seed
-from rlgraph.runtime.source import SourceError, expand_and_pad, source_columns
+from rlgraph.graph.config import Param
+from rlgraph.graph.loader import resolve_impl
+from rlgraph.runtime.invoke import BindingError, Invoker, OpError, binding_problems
+from rlgraph.seeds import stable_seed
+from rlgraph.runtime.source import SourceError, expand_and_pad
+
+
+def source_columns(plan):
+    return {c: plan.columns[c] for c in plan.source_columns}
 
 R = "response_len"
 
@@ -139,3 +146,77 @@ def micro(tokens: T.float32(R), *, micro_batch_size: int = 3):
 def test_micro_batch_size_param_implies_micro_batching():
     assert rlgraph.op_spec(micro).batching.micro_batch == "micro_batch_size"
     assert rlgraph.op_spec(scale).batching is None  # no such param: no micro-batching
+
+
+@op(outputs={"o": T.float32()}, group="w")
+def sees_ctx(tokens: T.float32(R), *, micro_batch_size: int = 1, ctx=None):
+    return {"o": torch.full((len(tokens),), float(ctx.group_size * 100 + ctx.batching.micro_batch_size))}
+
+
+@op(outputs={"o": T.float32()}, group="w")
+def ignores_micro(tokens: T.float32(R), *, ctx=None):
+    return {"o": torch.zeros(len(tokens))}
+
+
+def test_ctx_carries_the_plans_batching_and_runtime_params_are_passed_only_when_named():
+    plan = rlgraph.compile(_pipeline_with(sees_ctx), ["sees_ctx.micro_batch_size=4"])
+    assert plan.op("sees_ctx").runtime_params == ["micro_batch_size"]
+    out = Invoker(plan, "w", 0, 1).call(plan.op("sees_ctx"), 0, 0, [0], [False], {"tokens": [torch.ones(1)]})
+    assert out["o"].tolist() == [104.0]  # n = 1 (no generator), 4 samples per call
+    spec = rlgraph.op_spec(ignores_micro).with_(params={"micro_batch_size": Param(int, 2)},
+                                               batching=rlgraph.Batching(micro_batch="micro_batch_size"))
+    plan = rlgraph.compile(_pipeline_with(spec))
+    Invoker(plan, "w", 0, 1).call(plan.op("ignores_micro"), 0, 0, [0], [False], {"tokens": [torch.ones(1)]})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(params={"factor": Param(float, 2.0), "offset": Param(float, 0.0)}),
+     r"op 'scale': its body .*:scale does not accept declared param\(s\) \['offset'\]"),
+    (dict(inputs={"tokens": T.float32(R), "mask": T.int64(R), "extra": T.float32(R)}),
+     r"does not accept declared input column\(s\) \['extra'\]"),
+    (dict(inputs={"tokens": T.float32(R)}),
+     r"requires argument\(s\) \['mask'\], which the op declares neither as input columns nor as params"),
+])
+def test_a_body_that_does_not_match_its_declaration_fails_at_start_up(change, message):
+    src = DataSource({"tokens": T.float32(R), "mask": T.int64(R), "extra": T.float32(R)})
+    spec = rlgraph.op_spec(scale).with_(**change)
+    plan = rlgraph.compile(Pipeline("p", src, [spec], [WorkerGroup("w")], outputs=["scaled", "total"]))
+    with pytest.raises(BindingError, match=message + r".*Make the body's signature match the declaration"):
+        Invoker(plan, "w", 0, 1)
+
+
+def test_binding_problems_accepts_kwargs_and_defaults():
+    def takes_all(a, *, ctx=None, **columns):
+        return {}
+
+    def extra_with_default(a, b=None, *, k=1):
+        return {}
+
+    assert binding_problems(takes_all, ["a", "b"], ["k"]) == []
+    assert binding_problems(extra_with_default, ["a"], ["k"]) == []  # b has a default: never required
+    assert binding_problems(extra_with_default, ["a"], ["k", "micro"], runtime_params=["micro"]) == []
+
+
+@op(outputs={"o": T.float32()}, group="w")
+def drops_undeclared(tokens: T.float32(R), *, ctx=None):
+    ctx.drop(0, "bad")
+    return {"o": torch.zeros(len(tokens))}
+
+
+@op(outputs={"o": T.float32()}, group="w", drops=True)
+def drops_declared(tokens: T.float32(R), *, ctx=None):
+    ctx.drop(1, "bad", group=True)
+    return {"o": torch.zeros(len(tokens))}
+
+
+def test_only_an_op_declared_to_drop_rows_may_drop_them():
+    plan = _plan(drops_undeclared)
+    assert plan.op("drops_undeclared").downstream == []
+    with pytest.raises(OpError, match=r"op 'drops_undeclared' called ctx.drop but is not declared to drop rows; "
+                                      r"declare it with drops=True"):
+        Invoker(plan, "w", 0, 1).call(plan.op("drops_undeclared"), 0, 0, [0, 1], [False, False],
+                                      {"tokens": [torch.ones(1), torch.ones(1)]})
+    plan = _plan(drops_declared)
+    inv = Invoker(plan, "w", 0, 1)
+    inv.call(plan.op("drops_declared"), 0, 0, [0, 1], [False, False], {"tokens": [torch.ones(1), torch.ones(1)]})
+    assert inv.last_dropped == {1: ("bad", True)}

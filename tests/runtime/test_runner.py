@@ -118,7 +118,7 @@ def test_missing_resources_fail_before_any_actor_starts(tq_plane, tmp_path):
     with pytest.raises(ClusterError, match=r"1 GPUs needed, the cluster has 0") as e:
         runner.start()
     assert "nothing was started" in str(e.value)
-    assert runner.workers == {} and runner.source is None
+    assert runner.fleet.workers == {} and runner.fleet.source is None
     runner.close()
 
 

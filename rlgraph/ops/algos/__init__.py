@@ -34,6 +34,7 @@ from rlgraph.ops.algos.kl import (
     kl_penalty,
 )
 from rlgraph.ops.algos.losses import PolicyLossResult, ValueLossResult, policy_loss, value_loss
+from rlgraph.ops.algos.rollout_correction import ProbsDiff, rollout_probs_diff, truncated_is_weights
 
 __all__ = [
     "AGG_MODES",
@@ -44,6 +45,7 @@ __all__ = [
     "FixedKLController",
     "KLPenaltyResult",
     "PolicyLossResult",
+    "ProbsDiff",
     "ValueLossResult",
     "agg_loss",
     "apply_kl_penalty",
@@ -60,6 +62,8 @@ __all__ = [
     "policy_loss",
     "value_loss",
     "reinforce_pp_advantages",
+    "rollout_probs_diff",
+    "truncated_is_weights",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
 ]

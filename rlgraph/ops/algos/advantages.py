@@ -19,6 +19,7 @@ from torch import Tensor
 
 from rlgraph.errors import ConfigError
 from rlgraph.ops.algos.core import masked_whiten
+from rlgraph.ops.names import ESTIMATORS
 
 __all__ = [
     "ESTIMATORS",
@@ -31,7 +32,6 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
 ]
 
-ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class AdvantageResult(NamedTuple):

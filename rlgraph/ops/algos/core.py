@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from rlgraph.errors import ConfigError
+from rlgraph.ops.names import AGG_MODES
 
 __all__ = [
     "AGG_MODES",
@@ -22,7 +23,6 @@ __all__ = [
     "logprobs_from_logits",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 def check_same_shape(fn: str, **tensors: Tensor) -> None:

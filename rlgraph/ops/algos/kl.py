@@ -14,6 +14,7 @@ from torch import Tensor
 
 from rlgraph.errors import ConfigError
 from rlgraph.ops.algos.core import agg_loss, check_same_shape, masked_mean
+from rlgraph.ops.names import KL_KINDS
 
 __all__ = [
     "KL_KINDS",
@@ -25,7 +26,6 @@ __all__ = [
     "kl_loss",
 ]
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 class KLPenaltyResult(NamedTuple):

@@ -42,9 +42,11 @@ def policy_loss(
     agg_mode: str = "token-mean",
     global_tokens: int | float | None = None,
     global_seqs: int | float | None = None,
+    is_weights: Tensor | None = None,
 ) -> PolicyLossResult:
     """PPO-clip (Schulman et al. 2017) with clip-higher (DAPO, `clip_ratio_high`) and dual clip
-    (Ye et al. 2020, `clip_ratio_c`) for negative advantages.
+    (Ye et al. 2020, `clip_ratio_c`) for negative advantages. `is_weights` (``[b, T]``, e.g.
+    `truncated_is_weights`) multiply each token's loss after clipping.
 
     Parameter names are the `actor.*` config keys: eps_low = `clip_ratio_low`,
     eps_high = `clip_ratio_high` (defaults to eps_low: a symmetric clip), c = `clip_ratio_c`.
@@ -81,6 +83,10 @@ def policy_loss(
     # for A < 0: L = min(L_clip, L3)
     dual_clip_pg_losses = torch.minimum(clip_pg_losses, pg_losses3)
     pg_losses = torch.where(advantages < 0, dual_clip_pg_losses, clip_pg_losses)
+    if is_weights is not None:
+        check_same_shape("policy_loss", logp=logp, is_weights=is_weights)
+        # L = w * L (importance weight of the sampled token, no gradient through it)
+        pg_losses = pg_losses * is_weights.detach()
 
     loss = agg_loss(pg_losses, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
     with torch.no_grad():

@@ -39,7 +39,7 @@ LossFn = Callable[..., "tuple[Tensor, Mapping[str, Any]]"]
 
 
 class TrainEngine:
-    """A model, its optimizer, its LR schedule and (for dp > 1) its process group. Build with `create`."""
+    """A model, its optimizer, its LR schedule and (for dp > 1) its process group. Build with `create_engine`."""
 
     config: EngineConfig
     rank: int
@@ -49,33 +49,6 @@ class TrainEngine:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     optimizer_steps: int  # optimizer steps taken by this engine (restored by load_state_dict)
     sharded_state: bool  # state_dict() differs per rank (ZeRO >= 1): save every rank's, not just rank 0's
-
-    @staticmethod
-    def create(model: torch.nn.Module, config: EngineConfig, rank: int = 0, world_size: int = 1) -> "TrainEngine":
-        """Wrap `model` for training as rank `rank` of `world_size`.
-
-        With ``world_size > 1`` call `init_distributed` first. The deepspeed backend creates a
-        one-rank process group itself when there is none.
-        """
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise EngineError(f"TrainEngine.create needs 0 <= rank < world_size, got rank={rank}, "
-                              f"world_size={world_size}")
-        if world_size > 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                raise EngineError(f"rank {rank} of {world_size}: no process group; call "
-                                  f"init_distributed(rank, world_size, master_port=...) before TrainEngine.create")
-            if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-                raise EngineError(f"TrainEngine.create(rank={rank}, world_size={world_size}) disagrees with the "
-                                  f"process group (rank {dist.get_rank()} of {dist.get_world_size()})")
-        if config.backend == "deepspeed":
-            from rlgraph.ops.engine.deepspeed_backend import DeepSpeedEngine
-
-            return DeepSpeedEngine(model, config, rank, world_size)
-        from rlgraph.ops.engine.torch_backend import TorchEngine
-
-        return TorchEngine(model, config, rank, world_size)
 
     # ------------------------------------------------------------------ backend hooks
     @property

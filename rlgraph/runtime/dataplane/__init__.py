@@ -1,4 +1,4 @@
-"""The data plane: one table per step, written and read by workers, tracked per task.
+"""The data plane: one table per step, written and read by workers.
 
 `DataPlane` / `DataPlaneClient` are the small interface of our own; `TransferQueueDataPlane`
 and `RayObjectStoreDataPlane` implement it with the same semantics (see `base` for them).
@@ -10,9 +10,7 @@ from rlgraph.runtime.dataplane.base import (
     DataPlaneClient,
     DataPlaneError,
     DataPlaneHandle,
-    RowBatch,
     assemble_rows,
-    pad_ragged,
     payload_bytes_in_this_process,
 )
 from rlgraph.runtime.dataplane.ray_store import RayObjectStoreDataPlane, RayObjectStoreHandle
@@ -30,9 +28,7 @@ __all__ = [
     "DataPlaneClient",
     "DataPlaneError",
     "DataPlaneHandle",
-    "RowBatch",
     "assemble_rows",
-    "pad_ragged",
     "payload_bytes_in_this_process",
     "RayObjectStoreDataPlane",
     "RayObjectStoreHandle",

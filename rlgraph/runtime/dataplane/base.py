@@ -1,24 +1,24 @@
-"""The data-plane interface: one step's table, written and read by workers, tracked per task.
+"""The data-plane interface: one table per step, written and read by workers.
 
 A **partition** is one step's table: rows are samples ``0..num_rows-1``, columns are fields (an
-edge of the graph). Workers ``put`` columns for some rows; the driver polls ``ready`` for rows
-whose input columns all exist and that a task (an op) has not consumed yet, and hands the
-returned `RowBatch` (row ids plus backend keys, never payload) to a worker, which ``get``\\ s
-the columns itself. Payload moves worker to storage to worker; the driver only moves row ids.
+edge of the graph). Workers ``put`` columns for some rows and ``get`` the columns they read;
+the driver creates and clears partitions and passes only row ids. Which rows are ready for
+which op is the scheduler's business (`rlgraph.runtime.scheduler`, from call results), not the
+data plane's: the plane stores and serves cells, nothing more.
 
 Two backends implement the same semantics (`TransferQueueDataPlane`, `RayObjectStoreDataPlane`),
 so TransferQueue stays swappable. Each backend has two sides:
 
 - `DataPlane`, the driver side: ``create_partition``, ``clear``, ``close``, ``handle``;
-- `DataPlaneClient`, the worker side (the driver object is one too): ``put``, ``ready``,
-  ``get``. A worker gets one from ``plane.handle().connect()``; the handle is small and
-  picklable, so it travels to Ray actors as an argument.
+- `DataPlaneClient`, the worker side (the driver object is one too): ``put`` and ``get``. A
+  worker gets one from ``plane.handle().connect()``; the handle is small and picklable, so it
+  travels to Ray actors as an argument.
 
 Column values, on the way in (``put``) and out (``get``):
 
 - dense ``torch.Tensor`` ``[rows, *shape]``;
 - ragged: a list of per-row tensors, or a ``torch.nested`` tensor (jagged or strided) on put;
-  always a **list of per-row tensors** on get. `pad_ragged` densifies one;
+  a **list of per-row tensors** on get;
 - ``list[str]`` (or any list of picklable non-tensor objects, e.g. JSON values).
 
 ``get`` returns a dense tensor whenever every requested row has the same per-row shape and
@@ -40,12 +40,10 @@ from rlgraph.errors import RLGraphError
 
 __all__ = [
     "DataPlaneError",
-    "RowBatch",
     "ColumnData",
     "DataPlaneClient",
     "DataPlane",
     "DataPlaneHandle",
-    "pad_ragged",
     "assemble_rows",
     "payload_bytes_in_this_process",
 ]
@@ -58,37 +56,6 @@ non-tensor values (strings, JSON objects)."""
 class DataPlaneError(RLGraphError):
     """The data plane could not start, was misused (unknown rows, missing columns, bad values),
     or a wait on it timed out. The message names the partition, column or resource."""
-
-
-@dataclass(frozen=True)
-class RowBatch:
-    """Rows of one partition: what ``ready`` returns and what ``get`` and ``put`` accept.
-
-    Small and picklable (two tuples of ints), so the driver passes it to workers. ``keys`` are
-    the backend's own ids for the rows, aligned with ``rows`` (TransferQueue's global indexes);
-    they spare a lookup and may be empty, e.g. in ``RowBatch("step_3", (0, 1, 2))`` built by
-    hand. ``columns`` are the columns ``ready`` was asked for: ``get``'s default.
-    An empty batch is falsy: ``if not batch: poll again later``. Keys are valid until the
-    partition is cleared; a batch kept across a clear and re-create must drop its keys.
-    """
-
-    partition: str
-    rows: tuple[int, ...]
-    keys: tuple[int, ...] = ()
-    columns: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
-        object.__setattr__(self, "keys", tuple(int(k) for k in self.keys))
-        object.__setattr__(self, "columns", tuple(self.columns))
-        if self.keys and len(self.keys) != len(self.rows):
-            raise DataPlaneError(
-                f"RowBatch for partition {self.partition!r} has {len(self.rows)} rows but "
-                f"{len(self.keys)} keys; pass one key per row or none"
-            )
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 # --------------------------------------------------------------------------- byte counter
@@ -181,27 +148,6 @@ def assemble_rows(values: Sequence[Any]) -> ColumnData:
     return values
 
 
-def pad_ragged(values: ColumnData, pad_value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad per-row tensors along their first dimension: ``(padded, lengths)``.
-
-    ``padded`` is ``[rows, max_len, *rest]`` and ``lengths`` is ``[rows]`` int64. A dense
-    tensor ``[rows, len, ...]`` (what ``get`` returns when all rows agree) is returned as is,
-    with every length equal to ``len``.
-    """
-    if isinstance(values, torch.Tensor) and not values.is_nested:
-        if values.dim() < 2:
-            raise DataPlaneError(f"pad_ragged needs rows with a length dimension, got shape {tuple(values.shape)}")
-        return values, torch.full((values.shape[0],), values.shape[1], dtype=torch.int64)
-    rows = list(values.unbind()) if isinstance(values, torch.Tensor) else list(values)
-    if not rows:
-        return torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64)
-    if any(not isinstance(r, torch.Tensor) or r.dim() == 0 for r in rows):
-        raise DataPlaneError("pad_ragged needs per-row tensors with at least one dimension")
-    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
-    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_value)
-    return padded, lengths
-
-
 def _check_rows(partition: str, rows: Sequence[int]) -> tuple[int, ...]:
     rows = tuple(int(r) for r in rows)
     if len(set(rows)) != len(rows):
@@ -213,57 +159,34 @@ def _check_rows(partition: str, rows: Sequence[int]) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------- interfaces
 class DataPlaneClient(ABC):
-    """The worker side: write columns, poll for ready rows, read columns.
+    """The worker side: write columns, read columns.
 
     The public methods check arguments, normalise columns and count payload bytes, then call
-    the backend's ``_put``/``_ready``/``_get``; subclasses implement only those.
+    the backend's ``_put``/``_get``; subclasses implement only those.
     """
 
-    def put(
-        self, partition: str, rows: Sequence[int] | RowBatch, columns: Mapping[str, ColumnData]
-    ) -> None:
-        """Write ``columns`` for ``rows`` of ``partition`` (each column has one entry per row,
-        in the order of ``rows``). ``rows`` may be a `RowBatch` of that partition, whose keys
-        then spare a lookup. Rewriting a column of a row replaces it; consumption is kept."""
-        if isinstance(rows, RowBatch):
-            if rows.partition != partition:
-                raise DataPlaneError(f"put to partition {partition!r} got a RowBatch of {rows.partition!r}")
-            batch = rows
-        else:
-            batch = RowBatch(partition, _check_rows(partition, rows))
+    def put(self, partition: str, rows: Sequence[int], columns: Mapping[str, ColumnData]) -> None:
+        """Write ``columns`` for ``rows`` of ``partition`` (each column has one entry per row, in
+        the order of ``rows``). Rewriting a column of a row replaces it."""
+        rows = _check_rows(partition, rows)
         if not columns:
             raise DataPlaneError(f"put to partition {partition!r} got no columns")
-        if not batch.rows:
+        if not rows:
             return
-        norm = {name: _normalize(name, value, len(batch)) for name, value in columns.items()}
-        self._put(batch, norm)
+        norm = {name: _normalize(name, value, len(rows)) for name, value in columns.items()}
+        self._put(partition, rows, norm)
         _count_bytes(sum(_nbytes(c.value) for c in norm.values()))
 
-    def ready(self, partition: str, columns: Sequence[str], task: str, max_rows: int) -> RowBatch:
-        """Up to ``max_rows`` rows (lowest row ids first) whose ``columns`` all exist and that
-        ``task`` has not consumed yet, now marked consumed by ``task``. Never blocks: returns an
-        empty batch when no row qualifies (also for a partition that does not exist yet).
-        Each task sees every row once; different tasks consume independently."""
-        columns = tuple(columns)
-        if not columns:
-            raise DataPlaneError(f"ready on partition {partition!r} for task {task!r} needs at least one column")
-        if not task:
-            raise DataPlaneError(f"ready on partition {partition!r} needs a non-empty task name")
-        if max_rows < 1:
-            raise DataPlaneError(f"ready on partition {partition!r}: max_rows must be >= 1, got {max_rows}")
-        return self._ready(partition, columns, task, int(max_rows))
-
-    def get(self, batch: RowBatch, columns: Sequence[str] | None = None) -> dict[str, ColumnData]:
-        """Read ``columns`` (default: those ``batch`` was made ready for) of ``batch``'s rows, in
-        row order of the batch. Raises `DataPlaneError` if a requested cell was never written.
-        Does not change consumption."""
-        cols = tuple(columns) if columns is not None else batch.columns
+    def get(self, partition: str, rows: Sequence[int], columns: Sequence[str]) -> dict[str, ColumnData]:
+        """Read ``columns`` of ``rows`` of ``partition``, in the order of ``rows``. Raises
+        `DataPlaneError` if a requested cell was never written."""
+        cols = tuple(columns)
         if not cols:
-            raise DataPlaneError(f"get on partition {batch.partition!r} needs columns (the batch names none)")
-        _check_rows(batch.partition, batch.rows)
-        if not batch.rows:
+            raise DataPlaneError(f"get on partition {partition!r} needs columns")
+        rows = _check_rows(partition, rows)
+        if not rows:
             return {c: [] for c in cols}
-        out = self._get(batch, cols)
+        out = self._get(partition, rows, cols)
         _count_bytes(sum(_nbytes(v) for v in out.values()))
         return out
 
@@ -271,13 +194,10 @@ class DataPlaneClient(ABC):
         """Release this client's connections (sockets, threads). The data stays."""
 
     @abstractmethod
-    def _put(self, batch: RowBatch, columns: dict[str, _Column]) -> None: ...
+    def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None: ...
 
     @abstractmethod
-    def _ready(self, partition: str, columns: tuple[str, ...], task: str, max_rows: int) -> RowBatch: ...
-
-    @abstractmethod
-    def _get(self, batch: RowBatch, columns: tuple[str, ...]) -> dict[str, ColumnData]: ...
+    def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]: ...
 
 
 class DataPlaneHandle(ABC):
@@ -309,7 +229,7 @@ class DataPlane(DataPlaneClient):
 
     def payload_bytes_in_this_process(self) -> int:
         """Column payload bytes that went through put/get in this (the driver's) process.
-        Stays ~0 when workers put and get themselves and the driver only passes `RowBatch`es."""
+        Stays ~0 when workers put and get themselves and the driver only passes row ids."""
         return payload_bytes_in_this_process()
 
     def __enter__(self) -> "DataPlane":

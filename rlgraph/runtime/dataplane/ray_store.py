@@ -2,9 +2,8 @@
 
 Design: a worker's ``put`` stores each column's payload with ``ray.put`` *in the worker* and
 sends only the `ObjectRef`\\ s to `_RowTracker`, a CPU-free actor that keeps, per partition,
-which (row, column) cells exist (ref + position inside that ref's payload) and which rows each
-task consumed. ``ready`` asks the tracker; ``get`` asks it where the cells are, then fetches
-the refs straight from the object store. Payload never passes through the tracker or the
+which (row, column) cells exist (ref + position inside that ref's payload). ``get`` asks it
+where the cells are, then fetches the refs straight from the object store. Payload never passes through the tracker or the
 driver, the same property TransferQueue gives.
 
 Lifetime: a payload lives while its partition exists **and** the worker process that put it
@@ -32,7 +31,6 @@ from rlgraph.runtime.dataplane.base import (
     DataPlaneClient,
     DataPlaneError,
     DataPlaneHandle,
-    RowBatch,
     _Column,
     assemble_rows,
 )
@@ -55,7 +53,6 @@ class _Partition:
         self.refs: list[ray.ObjectRef] = []  # one per (put, column)
         self.ref_index: dict[str, np.ndarray] = {}  # col -> [num_rows] int64, -1 = missing
         self.position: dict[str, np.ndarray] = {}  # col -> [num_rows] int64
-        self.consumed: dict[str, np.ndarray] = {}  # task -> [num_rows] bool
 
 
 @ray.remote(num_cpus=0)
@@ -100,18 +97,6 @@ class _RowTracker:
             part.refs.append(ref)
         return None
 
-    def ready(self, partition: str, columns: list[str], task: str, max_rows: int) -> list[int]:
-        part = self._parts.get(partition)
-        if part is None or any(c not in part.ref_index for c in columns):
-            return []
-        mask = np.ones(part.num_rows, dtype=bool)
-        for col in columns:
-            mask &= part.ref_index[col] >= 0
-        consumed = part.consumed.setdefault(task, np.zeros(part.num_rows, dtype=bool))
-        rows = np.flatnonzero(mask & ~consumed)[:max_rows]
-        consumed[rows] = True
-        return rows.tolist()
-
     def locate(self, partition: str, rows: list[int], columns: list[str]) -> tuple[str | None, Any]:
         """-> (problem, {col: (refs, [(ref slot, position) per row])})."""
         problem = self._rows_problem(partition, rows)
@@ -125,7 +110,7 @@ class _RowTracker:
             missing = list(rows) if ref_idx is None else idx[ref_idx[idx] < 0].tolist()
             if missing:
                 return (f"column {col!r} was never written for rows {_listed(missing)} of "
-                        f"partition {partition!r}; wait for ready() before get()"), None
+                        f"partition {partition!r}; get only what an op upstream has put"), None
             used = ref_idx[idx]
             slots, inverse = np.unique(used, return_inverse=True)
             out[col] = ([part.refs[s] for s in slots.tolist()],
@@ -160,27 +145,20 @@ class _RayStoreClient(DataPlaneClient):
         except ray.exceptions.RayActorError as e:
             raise DataPlaneError(f"the row tracker died while asked to {what} (was the plane closed?): {e}") from None
 
-    def _put(self, batch: RowBatch, columns: dict[str, _Column]) -> None:
+    def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         refs = {name: ray.put(col.value) for name, col in columns.items()}
         # refs inside a dict are passed as refs (borrowed by the tracker), not resolved
         problem = self._call(
-            self._tracker.register.remote(batch.partition, list(batch.rows), refs),
-            f"register columns {sorted(columns)} of partition {batch.partition!r}",
+            self._tracker.register.remote(partition, list(rows), refs),
+            f"register columns {sorted(columns)} of partition {partition!r}",
         )
         if problem:
             raise DataPlaneError(problem)
 
-    def _ready(self, partition: str, columns: tuple[str, ...], task: str, max_rows: int) -> RowBatch:
-        rows = self._call(
-            self._tracker.ready.remote(partition, list(columns), task, max_rows),
-            f"find rows of partition {partition!r} ready for task {task!r}",
-        )
-        return RowBatch(partition, tuple(rows), columns=columns)
-
-    def _get(self, batch: RowBatch, columns: tuple[str, ...]) -> dict[str, ColumnData]:
+    def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
         problem, where = self._call(
-            self._tracker.locate.remote(batch.partition, list(batch.rows), list(columns)),
-            f"locate columns {list(columns)} of partition {batch.partition!r}",
+            self._tracker.locate.remote(partition, list(rows), list(columns)),
+            f"locate columns {list(columns)} of partition {partition!r}",
         )
         if problem:
             raise DataPlaneError(problem)
@@ -191,11 +169,11 @@ class _RayStoreClient(DataPlaneClient):
                 payloads = ray.get(refs, timeout=self._timeout)
             except ray.exceptions.GetTimeoutError:
                 raise DataPlaneError(
-                    f"timed out after {self._timeout}s fetching column {col!r} of partition {batch.partition!r}"
+                    f"timed out after {self._timeout}s fetching column {col!r} of partition {partition!r}"
                 ) from None
             except ray.exceptions.ObjectLostError as e:
                 raise DataPlaneError(
-                    f"column {col!r} of partition {batch.partition!r} is lost: the worker that put it "
+                    f"column {col!r} of partition {partition!r} is lost: the worker that put it "
                     f"exited (Ray frees objects with their owner): {type(e).__name__}"
                 ) from None
             out[col] = self._assemble(payloads, cells)

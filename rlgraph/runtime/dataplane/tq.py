@@ -9,18 +9,14 @@ How our semantics map onto TransferQueue (TQ):
   starting TQ needs ``1 + num_storage_units`` free CPUs. With fewer, ``tq.init`` waits forever;
   `check_tq_resources` checks up front and ``start`` also runs ``tq.init`` under a timeout.
 - Rows: ``create_partition(p, n)`` registers TQ keys ``"0".."n-1"`` (TQ's key-value API), which
-  gives each row a TQ *global index* (unique across partitions, reused after a clear), and
-  stores ``{"row": i}`` as the row's TQ custom meta. A `RowBatch` carries both: ``rows`` are
-  ours, ``keys`` are the global indexes. ``put``/``get`` with a batch from ``ready`` reuse the
-  keys; with bare row ids they cost one extra lookup (``kv_retrieve_meta``).
-- ``ready`` is TQ's ``get_meta(mode="fetch")`` with ``polling_mode=True`` (returns an empty
-  batch instead of blocking). TQ itself only answers "exactly batch_size rows or nothing", so
-  we register `_RowOrderSampler` on the controller: asked with our ``sampling_config`` flag it
-  takes *up to* ``max_rows`` ready rows, lowest row id first, atomically in the controller.
-  Rows come back from the custom meta, so ``ready`` is one round trip.
-- ``get`` builds a minimal TQ ``BatchMeta`` (global indexes + field names, all SimpleStorage
-  needs) and calls ``get_data``; TQ returns jagged nested tensors for every non-scalar field,
-  which we turn back into dense tensors or per-row lists (`assemble_rows`).
+  gives each row a TQ *global index* (unique across partitions, reused after a clear). ``put``
+  and ``get`` look the global indexes of their rows up (``kv_retrieve_meta``), then call TQ's
+  ``put``/``get_data`` with a minimal ``BatchMeta`` (global indexes + field names, all
+  SimpleStorage needs).
+- TQ returns jagged nested tensors for every non-scalar field, which we turn back into dense
+  tensors or per-row lists (`assemble_rows`).
+- TQ's own readiness tracking (``get_meta`` per task) is not used: the runtime's scheduler knows
+  which rows are ready from the results of the calls it dispatched.
 - Every call runs on this module's own event loop thread under ``asyncio.wait_for``, so each
   wait has a timeout whose error names what it waited for.
 
@@ -52,7 +48,6 @@ import transfer_queue as tq  # noqa: E402
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 from transfer_queue import BatchMeta  # noqa: E402
 from transfer_queue.client import AsyncTransferQueueClient  # noqa: E402
-from transfer_queue.sampler import BaseSampler  # noqa: E402
 
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
@@ -60,7 +55,6 @@ from rlgraph.runtime.dataplane.base import (  # noqa: E402
     DataPlaneClient,
     DataPlaneError,
     DataPlaneHandle,
-    RowBatch,
     _Column,
     assemble_rows,
 )
@@ -77,7 +71,6 @@ CONTROLLER_NAME = "TransferQueueController"  # fixed by tq.init
 CONTROLLER_NAMESPACE = "transfer_queue"
 STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"  # fixed by TQ's SimpleStorage bootstrap
 CPUS_PER_TQ_ACTOR = 1  # @ray.remote(num_cpus=1) on TQ's controller and SimpleStorageUnit
-_UP_TO = "rlgraph_up_to"  # sampling_config flag understood by _RowOrderSampler
 
 
 @dataclass(frozen=True)
@@ -91,27 +84,7 @@ class TransferQueueConfig:
     start_timeout_s: float = 120.0
     """Limit for ``tq.init`` (7-10 s on a 2-core machine)."""
     op_timeout_s: float = 60.0
-    """Limit for each put/ready/get/clear round trip."""
-
-
-class _RowOrderSampler(BaseSampler):
-    """Runs inside TQ's controller. Takes up to ``batch_size`` ready rows, lowest row id first.
-
-    TQ's controller, in polling mode, calls the sampler even with fewer than ``batch_size``
-    ready rows only when ``has_cached_result`` says so; we answer yes for our flag. Row ids are
-    the keys registered by ``create_partition``.
-    """
-
-    def sample(self, ready_indexes, batch_size, *args, partition=None, **kwargs):
-        if not ready_indexes:
-            return [], []
-        keys = partition.kv_retrieve_keys(list(ready_indexes))
-        order = sorted(range(len(ready_indexes)), key=lambda i: int(keys[i]))
-        chosen = [ready_indexes[i] for i in order[:batch_size]]
-        return chosen, chosen
-
-    def has_cached_result(self, partition_id, task_name, sampling_config=None):
-        return bool((sampling_config or {}).get(_UP_TO))
+    """Limit for each put/get/create/clear round trip."""
 
 
 # --------------------------------------------------------------------------- resources
@@ -237,58 +210,44 @@ class _TQClient(DataPlaneClient):
     def _run(self, coro: Awaitable[Any], what: str) -> Any:
         return self._loop.run(coro, self._timeout, what)
 
-    def _meta(self, batch: RowBatch, columns: tuple[str, ...] = ()) -> BatchMeta:
-        """A TQ BatchMeta for ``batch``, looking the keys up if the batch has none."""
-        keys = batch.keys
-        if not keys:
-            found = self._run(
-                self._client.async_kv_retrieve_meta([str(r) for r in batch.rows], batch.partition, create=False),
-                f"look up rows of partition {batch.partition!r}",
+    def _meta(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...] = ()) -> BatchMeta:
+        """A TQ BatchMeta for `rows` of `partition`: their global indexes, looked up by key."""
+        found = self._run(
+            self._client.async_kv_retrieve_meta([str(r) for r in rows], partition, create=False),
+            f"look up rows of partition {partition!r}",
+        )
+        if found.size != len(rows):
+            known = {int(m["row"]) for m in found.custom_meta if "row" in m}
+            missing = [r for r in rows if r not in known]
+            raise DataPlaneError(
+                f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
+                f"{partition!r}; call create_partition with enough rows first"
             )
-            if found.size != len(batch):
-                known = {int(m["row"]) for m in found.custom_meta if "row" in m}
-                missing = [r for r in batch.rows if r not in known]
-                raise DataPlaneError(
-                    f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
-                    f"{batch.partition!r}; call create_partition with enough rows first"
-                )
-            keys = tuple(found.global_indexes)
         return BatchMeta(
-            global_indexes=list(keys),
-            partition_ids=[batch.partition] * len(keys),
+            global_indexes=list(found.global_indexes),
+            partition_ids=[partition] * len(rows),
             field_schema={c: {} for c in columns},
-            custom_meta=[{"row": r} for r in batch.rows],
+            custom_meta=[{"row": r} for r in rows],
         )
 
-    def _put(self, batch: RowBatch, columns: dict[str, _Column]) -> None:
-        meta = self._meta(batch)
-        data = TensorDict({name: _to_tq(col) for name, col in columns.items()}, batch_size=len(batch))
+    def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
+        meta = self._meta(partition, rows)
+        data = TensorDict({name: _to_tq(col) for name, col in columns.items()}, batch_size=len(rows))
         self._run(self._client.async_put(data, metadata=meta),
-                  f"put columns {sorted(columns)} to partition {batch.partition!r}")
+                  f"put columns {sorted(columns)} to partition {partition!r}")
 
-    def _ready(self, partition: str, columns: tuple[str, ...], task: str, max_rows: int) -> RowBatch:
-        meta = self._run(
-            self._client.async_get_meta(
-                data_fields=list(columns), batch_size=max_rows, partition_id=partition,
-                mode="fetch", task_name=task, sampling_config={_UP_TO: True},
-            ),
-            f"find rows of partition {partition!r} ready for task {task!r}",
-        )
-        rows = tuple(int(m["row"]) for m in meta.custom_meta)
-        return RowBatch(partition, rows, tuple(meta.global_indexes), columns)
-
-    def _get(self, batch: RowBatch, columns: tuple[str, ...]) -> dict[str, ColumnData]:
-        meta = self._meta(batch, columns)
+    def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
+        meta = self._meta(partition, rows, columns)
         try:
             data = self._run(self._client.async_get_data(meta),
-                             f"get columns {list(columns)} of partition {batch.partition!r}")
+                             f"get columns {list(columns)} of partition {partition!r}")
         except DataPlaneError:
             raise
         except Exception as e:  # TQ raises StorageKeyNotFoundError / RuntimeError for missing cells
             raise DataPlaneError(
-                f"get columns {list(columns)} of partition {batch.partition!r} failed, most likely a "
-                f"column was never written for some of rows {list(batch.rows)[:8]}; wait for ready() "
-                f"before get(). TransferQueue said: {e}"
+                f"get columns {list(columns)} of partition {partition!r} failed, most likely a column was "
+                f"never written for some of rows {list(rows)[:8]}; get only what an op upstream has put. "
+                f"TransferQueue said: {e}"
             ) from None
         return {c: _from_tq(data.get(c)) for c in columns}
 
@@ -312,8 +271,8 @@ class TransferQueueHandle(DataPlaneHandle):
 
 
 class TransferQueueDataPlane(_TQClient, DataPlane):
-    """Driver side of the TransferQueue backend. ``start()`` runs ``tq.init`` (controller in
-    polling mode, SimpleStorage units, our sampler); ``close()`` runs ``tq.close``."""
+    """Driver side of the TransferQueue backend. ``start()`` runs ``tq.init`` (the controller and
+    SimpleStorage units); ``close()`` runs ``tq.close``."""
 
     def __init__(self, controller: Any, config: TransferQueueConfig) -> None:
         super().__init__(controller, config.op_timeout_s)
@@ -342,7 +301,6 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         _run_tq_init(config)
         controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
         try:
-            ray.get(controller.register_sampler.remote(_RowOrderSampler()), timeout=config.op_timeout_s)
             return cls(controller, config)
         except BaseException:
             tq.close()
@@ -379,7 +337,6 @@ def _run_tq_init(config: TransferQueueConfig) -> None:
     """``tq.init`` under a timeout. It waits on Ray actors without one; if they never start we
     kill what it created, which makes its pending ``ray.get`` fail and frees its thread."""
     conf = {
-        "controller": {"polling_mode": True},
         "backend": {"SimpleStorage": {
             "num_data_storage_units": config.num_storage_units,
             "total_storage_size": config.total_storage_size,

@@ -1,0 +1,294 @@
+"""The fleet: everything a run starts on Ray, and the only module that talks to those actors.
+
+- Ray itself (`rlgraph.runtime.cluster`: local on 127.0.0.1, or joined with ``--address``), checked
+  against the plan before anything starts;
+- the data plane (TransferQueue or the Ray object store), unless the caller passes a running one;
+- one placement group per resource pool, one `GroupWorker` actor per rank of each worker group
+  on its pool's bundles (colocated groups split a bundle), and the data-source actor.
+
+The fleet starts, restarts, pings and closes them, submits op calls and waits for their results
+with a timeout that says what it waited for, moves state columns between groups, and gathers or
+loads every actor's state for checkpoints. It decides nothing: the scheduler says what to run,
+the runner says when to restart or restore.
+
+Actors are created with ``max_restarts=0``: restarting is the runner's job, because only it
+knows what state to restore.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from rlgraph.errors import RLGraphError, StepTimeout
+from rlgraph.graph.plan import Plan
+from rlgraph.runtime.cluster import RayHandle, check_cluster, start_ray
+from rlgraph.runtime.scheduler import Call
+
+__all__ = ["Fleet", "SOURCE"]
+
+SOURCE = "source"  # the data source's name in `dead()` and in checkpoint states
+
+
+class Fleet:
+    """Ray, the data plane, the worker actors and the source of one run. Use as a context manager."""
+
+    def __init__(self, plan: Plan, timeout_s: float, dataplane: str | None = None, address: str | None = None,
+                 plane: Any = None, on_ray_started: Any = None) -> None:
+        """`plane`: an already started data plane to use (and leave running), e.g. a test session's."""
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self._plan_json = plan.model_dump_json()
+        self._backend = dataplane or plan.config.get("dataplane", {}).get("backend", "transferqueue")
+        self._address = address
+        self._on_ray_started = on_ray_started
+        self._own_plane = plane is None
+        self.plane: Any = plane
+        self.ray: RayHandle | None = None
+        self.workers: dict[str, list[Any]] = {}
+        self.source: Any = None
+        self.stateful: dict[str, bool] = {}  # group -> keeps state beyond a call (restore it, not just restart)
+        self.initial_source_state: Any = None
+        self._pgs: dict[str, Any] = {}  # pool -> placement group
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.ray = start_ray(self.plan, self._address)
+        if self._on_ray_started:
+            self._on_ray_started()
+        check_cluster(self.plan)  # before any actor: fail with a list, never hang
+        if self.plane is None:
+            self.plane = self._start_dataplane()
+        for pool in self.plan.pools:
+            bundles = [{"CPU": max(b.num_cpus, 0.01), **({"GPU": b.num_gpus} if b.num_gpus else {})}
+                       for b in pool.bundles]
+            # the compiler put the pool on one node (packed) or over several (spread, or too big for one)
+            strategy = "SPREAD" if len({b.node for b in pool.bundles}) > 1 else "PACK"
+            self._pgs[pool.name] = placement_group(bundles, strategy=strategy, name=f"rlgraph-{pool.name}")
+        for pool, pg in self._pgs.items():
+            try:
+                ray.get(pg.ready(), timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise StepTimeout(f"placement group for pool {pool!r} was not ready after {self.timeout_s:g}s; "
+                                  f"`ray status` shows what is pending") from None
+        for g in self.plan.groups:
+            self._create_group(g.name)
+        self._create_source()
+        names = list(self.workers)
+        self._setup_groups(names)
+        self.initial_source_state = self.get([self.source.state_dict.remote()], "the data source to start")[0]
+        has_state = self.get([self.workers[g][0].has_instance_state.remote() for g in names], "worker state inventory")
+        state_ops = {op.name for op in self.plan.ops
+                     if any(self.plan.columns[c].kind == "state" for c in [*op.inputs, *op.outputs])}
+        for g, inst in zip(names, has_state):
+            self.stateful[g] = bool(inst) or any(o in state_ops for o in self.plan.group(g).ops)
+
+    def _start_dataplane(self) -> Any:
+        from rlgraph.runtime.dataplane import RayObjectStoreDataPlane, TransferQueueConfig, TransferQueueDataPlane
+
+        if self._backend == "ray":
+            return RayObjectStoreDataPlane.start(op_timeout_s=self.timeout_s)
+        units = int(self.plan.config.get("dataplane", {}).get("storage_units", 1))
+        return TransferQueueDataPlane.start(TransferQueueConfig(num_storage_units=units, op_timeout_s=self.timeout_s))
+
+    def _create_group(self, name: str) -> None:
+        """Start the actors of worker group `name` (not yet set up) on its pool's bundles."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlgraph.runtime.worker import GroupWorker
+
+        g = self.plan.group(name)
+        share = sum(1 for x in self.plan.groups if x.pool == g.pool)  # colocated groups time-share bundles
+        bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
+        self.workers[name] = [
+            ray.remote(GroupWorker).options(
+                num_cpus=max(bundle[r].num_cpus, 0.01) / share,
+                num_gpus=bundle[r].num_gpus / share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pgs[g.pool], placement_group_bundle_index=r),
+                max_restarts=0,  # restarts are the runner's: it restores state and re-runs the work
+            ).remote(self._plan_json, name, r, g.dp, self.plane.handle())
+            for r in range(g.dp)
+        ]
+
+    def _create_source(self) -> None:
+        import ray
+
+        from rlgraph.runtime.source import SourceWorker
+
+        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, self.plane.handle())
+
+    def _setup_groups(self, names: list[str]) -> None:
+        # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
+        meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+        setups = [w.setup.remote(*meet[i]) for i, g in enumerate(names) for w in self.workers[g]]
+        self.get(setups, "worker start-up (op imports, worker classes' setup: model loading)")
+
+    def restart(self, groups: Iterable[str]) -> int:
+        """Kill every actor of `groups` (all ranks: they share a process group) and start them again
+        on the same bundles; their state is what setup gives. Returns the number of actors started."""
+        import ray
+
+        names = sorted(set(groups))
+        for g in names:
+            for w in self.workers[g]:
+                ray.kill(w, no_restart=True)
+            self._create_group(g)
+        if names:
+            self._setup_groups(names)
+        return sum(len(self.workers[g]) for g in names)
+
+    def restart_source(self) -> None:
+        import ray
+
+        ray.kill(self.source, no_restart=True)
+        self._create_source()
+
+    def dead(self) -> set[str]:
+        """Groups with an actor that no longer answers, plus `SOURCE` if the data source died."""
+        import ray
+
+        refs = {(SOURCE, 0): self.source.state_dict.remote()}
+        for g, ws in self.workers.items():
+            for r, w in enumerate(ws):
+                refs[(g, r)] = w.ping.remote()
+        dead = set()
+        for (g, _), ref in refs.items():
+            try:
+                ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.add(g)
+        return dead
+
+    def close(self) -> None:
+        """Stop what this run started: actors, placement groups, the data plane, Ray (if ours)."""
+        try:
+            import ray
+        except ImportError:  # pragma: no cover
+            return
+        if ray.is_initialized():
+            for w in [w for ws in self.workers.values() for w in ws] + ([self.source] if self.source else []):
+                ray.kill(w, no_restart=True)
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self._pgs.values():
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # already gone with a dead cluster
+                    pass
+        self.workers, self.source, self._pgs = {}, None, {}
+        if self.plane is not None and self._own_plane:
+            self.plane.close()
+        self.plane = None
+        if self.ray is not None:
+            self.ray.shutdown()
+            self.ray = None
+
+    # ------------------------------------------------------------------ calls and waits
+    def get(self, refs: list[Any], what: str) -> list[Any]:
+        """Results of `refs`, waiting at most the run's timeout; an rlgraph error raised in an actor
+        comes out as itself, a timeout as `StepTimeout` naming `what`."""
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise StepTimeout(f"timed out after {self.timeout_s:g}s waiting for {what}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), RLGraphError) else None
+            if cause is not None:
+                raise cause from None
+            raise
+
+    def submit(self, call: Call, step: int, partition: str, uids: list[int], tags: tuple[bool, ...],
+               batch_inputs: Mapping[str, Any], fault: str | None) -> Any:
+        """Start `call` on its rank; returns what to wait on: an object reference, or for a streaming
+        op a Ray streaming generator that delivers each part's result, then the call's."""
+        c = call.chunk
+        worker = self.workers[call.group][call.rank]
+        args = (c.op, step, partition, c.index, list(call.rows), [uids[i] for i in call.rows], list(tags),
+                dict(batch_inputs), fault)
+        if self.plan.op(c.op).streams:
+            return worker.run_chunk_stream.options(num_returns="streaming").remote(*args)
+        return worker.run_chunk.remote(*args)
+
+    def wait(self, waitables: list[Any]) -> list[Any]:
+        """Those of `waitables` with a result ready (a finished call, a streaming call's next part),
+        waiting up to the timeout for the first one."""
+        import ray
+
+        done, _ = ray.wait(waitables, num_returns=1, timeout=self.timeout_s)
+        return done
+
+    def result(self, waitable: Any, what: str) -> Any:
+        """The ready result of a waitable `wait` returned: a call's `CallResult`, or a streaming
+        call's next `PartResult` (its last result is the `CallResult`)."""
+        import ray
+
+        if isinstance(waitable, ray.ObjectRefGenerator):
+            waitable = next(waitable)
+        return self.get([waitable], what)[0]
+
+    def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> tuple[list[int], list[bool]]:
+        """Have the source write a step's first columns; returns the rows' group ids and padding tags."""
+        return self.get([self.source.produce.remote(partition, rows, uid_start, validation)],
+                        f"the data source to write partition {partition!r}")[0]
+
+    # ------------------------------------------------------------------ state
+    def sync_state(self, produced_by: set[str]) -> None:
+        """Move state columns written this step by the ops `produced_by` from their producer's
+        group to consumer groups elsewhere, and to the producer group's other ranks."""
+        calls = []
+        for name, col in self.plan.columns.items():
+            if col.kind != "state" or col.producer not in produced_by:
+                continue
+            src_group = self.plan.op(col.producer).group
+            ref = self.workers[src_group][0].export_state.remote(name)  # a reference: no bytes via the driver
+            for g in sorted({self.plan.op(c).group for c in col.consumers} - {src_group}):
+                calls += [w.import_state.remote(name, ref) for w in self.workers[g]]
+            calls += [w.import_state.remote(name, ref) for w in self.workers[src_group][1:]]
+        if calls:
+            self.get(calls, "the weight sync (state columns to their consumers)")
+
+    def state_names(self) -> list[str]:
+        """The names of the states a checkpoint holds: ``<group>_<rank>`` per worker, and the source."""
+        return [f"{g}_{r}" for g, ws in self.workers.items() for r in range(len(ws))] + [SOURCE]
+
+    def states(self) -> dict[str, Any]:
+        """Every actor's state, by `state_names`: state columns and worker-class ``state_dict``\\ s."""
+        out: dict[str, Any] = {}
+        for g, ws in self.workers.items():
+            for r, w in enumerate(ws):
+                cols, inst = self.get([w.state_columns.remote(), w.instance_states.remote()],
+                                      f"checkpoint state of {g}[{r}]")
+                out[f"{g}_{r}"] = {"columns": cols, "instances": inst}
+        out[SOURCE] = self.get([self.source.state_dict.remote()], "the data source's position")[0]
+        return out
+
+    def load_states(self, states: Mapping[str, Any], what: str) -> None:
+        """Load `states` (as `states` returns them) into the actors."""
+        calls = []
+        for g, ws in self.workers.items():
+            for r, w in enumerate(ws):
+                st = states[f"{g}_{r}"]
+                calls += [w.load_state_columns.remote(st["columns"]), w.load_instance_states.remote(st["instances"])]
+        calls.append(self.source.load_state_dict.remote(states[SOURCE]))
+        self.get(calls, what)
+
+    def rewind_source(self) -> None:
+        """Put the data source back where it started (a restore with no checkpoint)."""
+        self.get([self.source.load_state_dict.remote(self.initial_source_state)], "the data source to rewind")

@@ -1,0 +1,336 @@
+"""The step scheduler: which op call runs next, on which rank. Metadata only, no Ray.
+
+It holds one step's bookkeeping and the dispatch policy, and is driven as an event loop by
+`rlgraph.runtime.runner`: completions in (`rows_done`, `call_done`, `drop`), calls out
+(`next_calls`). Everything here is row ids and counters, so it is tested without Ray, the way
+the compiler passes are.
+
+**Chunks.** The unit of work is a chunk: a fixed list of rows decided before the step, the same
+under every schedule:
+
+- ``stream`` ops (per sample): consecutive rows, ``micro_batch_size`` per chunk;
+- ``group`` ops: ``micro_batch_size`` complete groups per chunk (1 group if unset);
+- ``per_rank`` ops: one chunk per rank, its contiguous share of the rows (whole groups);
+- ``barrier`` ops: one chunk of every row, split over the group's ranks when it runs.
+
+Because chunks do not depend on the order in which rows become ready, ``stream`` and ``sync``
+make exactly the same op calls on exactly the same rows, only at different times; with ops
+seeded per chunk (not per call order) the two schedules give identical results.
+
+**Readiness** is tracked per (column, row) with waiting lists: each chunk counts the input
+cells it still misses, and marking rows ready touches only the chunks of the ops that read
+those columns on those rows. A completion costs what it unblocks, not the size of the plan.
+
+**Dispatch.** A rank runs one call at a time, and so does a pool's bundle (colocated groups
+time-share it). Ready chunks go out in plan order of their ops, chunks in index order; a chunk
+goes to the idle rank of its group that has been handed the fewest rows this step (a group of
+several ranks is a worker pool); a barrier chunk waits for every rank of its group and is split
+into contiguous shards. ``sync`` additionally holds an op until every op of earlier stages has
+finished (a barrier after each stage, like the classic single-controller trainer).
+
+**Repairs.** `repair_for` decides how a failed call is mended: run it again, restart its group
+and run again what the group had in flight, or restore every worker from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from rlgraph.graph.plan import OpPlan, Plan
+
+__all__ = ["Chunk", "Call", "Repair", "StepScheduler", "make_chunks", "repair_for"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One unit of work: an op on a fixed list of rows. ``index`` seeds the op's randomness."""
+
+    op: str
+    index: int
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One op call to make: a chunk (or, for a barrier, one rank's shard of it) on one rank."""
+
+    chunk: Chunk
+    group: str
+    rank: int
+    rows: tuple[int, ...]  # the rows this rank handles (a barrier's shard; else the chunk's rows)
+
+
+def make_chunks(op: OpPlan, uids: Sequence[int]) -> list[Chunk]:
+    """Split the step's rows into the op's chunks. `uids[i]` is row i's group id; rows of one
+    group are contiguous (the source lays them out that way)."""
+    n_rows = len(uids)
+    if op.mode == "barrier":
+        return [Chunk(op.name, 0, tuple(range(n_rows)))]
+    if op.mode == "stream":
+        starts = list(range(n_rows)) + [n_rows]  # every row is a unit
+    else:
+        starts = [r for r in range(n_rows) if r == 0 or uids[r] != uids[r - 1]] + [n_rows]  # every group
+    units = len(starts) - 1
+    if op.batching.per_rank:  # one chunk per rank: the rank's contiguous share of the units
+        dp = op.batching.dp
+        bounds = [k * units // dp for k in range(dp + 1)]
+    else:
+        size = op.batching.micro_batch_size or (units if op.mode == "stream" else 1) or 1
+        bounds = list(range(0, units, size)) + [units]
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]  # fewer units than ranks: no empty chunks
+    return [Chunk(op.name, k, tuple(range(starts[a], starts[b]))) for k, (a, b) in enumerate(spans)]
+
+
+class Repair(enum.Enum):
+    """How a failed call is mended, cheapest first."""
+
+    RERUN = "rerun"  # call it again on the same rows: its inputs are still in the data plane
+    RESTART_GROUP = "restart_group"  # its group died and keeps no state: restart it, re-run its calls
+    RESTORE = "restore"  # restore every worker from the latest checkpoint and replay the steps since
+
+
+def repair_for(plan: Plan, op_name: str, died: bool, stateful: bool) -> Repair:
+    """The cheapest exact repair of a failed call of `op_name`. `died`: its worker's process
+    ended; `stateful`: its group keeps state beyond a call (models, optimizers, state columns)."""
+    op = plan.op(op_name)
+    # an update (or any call that may have changed worker state before failing) cannot simply run again
+    changes_state = (any(plan.columns[c].kind == "state" for c in op.outputs)
+                     or op.batching.mini_batch_samples is not None or (op.mode == "barrier" and stateful))
+    if died:
+        return Repair.RESTORE if stateful else Repair.RESTART_GROUP
+    return Repair.RESTORE if changes_state else Repair.RERUN
+
+
+class _Op:
+    """Per-op state of one step."""
+
+    __slots__ = ("plan", "order", "chunks", "chunk_of", "missing", "ready", "parts_left", "started", "done",
+                 "skipped", "pool")
+
+    def __init__(self, plan: OpPlan, order: int, chunks: list[Chunk], num_rows: int, pool: str, skipped: bool):
+        self.plan = plan
+        self.order = order  # position in the plan: dispatch priority
+        self.chunks = chunks
+        self.chunk_of = [0] * num_rows  # row -> index of the chunk holding it
+        for c in chunks:
+            for r in c.rows:
+                self.chunk_of[r] = c.index
+        self.missing = [0] * len(chunks)  # chunk -> input cells not yet ready
+        self.ready: list[int] = []  # heap of chunk indices whose inputs are all ready, not started
+        self.parts_left: dict[int, int] = {}  # started chunk -> calls still running
+        self.started = 0
+        self.done = 0
+        self.skipped = skipped
+        self.pool = pool
+
+    @property
+    def finished(self) -> bool:
+        return self.skipped or self.done == len(self.chunks)
+
+
+class StepScheduler:
+    """One step's op calls: what is ready, what runs where, what is done.
+
+    `uids` and `is_padding` describe the rows as the source laid them out; `ops` restricts the
+    step to those ops (validation), the others are skipped like ops gated by a warm-up.
+    """
+
+    def __init__(self, plan: Plan, uids: Sequence[int], is_padding: Sequence[bool], step: int,
+                 schedule: str = "stream", ops: set[str] | None = None) -> None:
+        if schedule not in ("stream", "sync"):
+            raise ValueError(f"schedule must be 'stream' or 'sync', got {schedule!r}")
+        self.plan = plan
+        self.step = step
+        self.schedule = schedule
+        self.uids = list(uids)
+        self.is_padding = [bool(p) for p in is_padding]
+        self.num_rows = n = len(self.uids)
+        self.dropped: dict[int, tuple[str, str]] = {}  # row -> (reason, op that dropped it)
+        groups = {g.name: g for g in plan.groups}
+        self._dp = {g.name: g.dp for g in plan.groups}
+        self._pool = {g.name: g.pool for g in plan.groups}
+        self.ops: dict[str, _Op] = {}
+        for k, op in enumerate(plan.ops):
+            skipped = step < op.skip_before_step or (ops is not None and op.name not in ops)
+            self.ops[op.name] = _Op(op, k, make_chunks(op, self.uids), n, groups[op.group].pool, skipped)
+        # column -> the ops (not skipped) that read it; each of their chunks counts its missing cells
+        self._readers: dict[str, list[_Op]] = {}
+        source = set(plan.source_columns)
+        for st in self.ops.values():
+            if st.skipped:
+                continue
+            waits = [c for c in st.plan.inputs if c not in source]
+            for c in waits:
+                self._readers.setdefault(c, []).append(st)
+            for ch in st.chunks:
+                st.missing[ch.index] = len(waits) * len(ch.rows)
+        self._have = {c: bytearray(n) for c in self._readers}  # column -> row -> ready?
+        self._have_count = dict.fromkeys(self._readers, 0)
+        # dispatch state: busy bundles, rows handed to each rank, ops with ready chunks per pool
+        self._busy: set[tuple[str, int]] = set()
+        self._slots = {p.name: len(p.bundles) for p in plan.pools}
+        self._busy_in = {p.name: 0 for p in plan.pools}
+        self._sent = {(g.name, r): 0 for g in plan.groups for r in range(g.dp)}
+        self._waiting: dict[str, list[int]] = {p.name: [] for p in plan.pools}  # pool -> sorted op orders
+        self._by_order = list(self.ops.values())
+        # sync: ops of a stage are held until every op of earlier stages has finished
+        self._left_in_stage: dict[int, int] = {}
+        for st in self.ops.values():
+            if not st.finished:
+                self._left_in_stage[st.plan.stage] = self._left_in_stage.get(st.plan.stage, 0) + 1
+        self._held: dict[int, list[tuple[_Op, int]]] = {}
+        self._open = self._open_stage()
+        self._ops_left = sum(self._left_in_stage.values())
+        for st in self.ops.values():
+            if not st.skipped:
+                for ch in st.chunks:
+                    if st.missing[ch.index] == 0:
+                        self._release(st, ch.index)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def finished(self) -> bool:
+        return self._ops_left == 0
+
+    def chunk_counts(self) -> dict[str, int]:
+        """Op -> its number of chunks this step (ops that run only)."""
+        return {name: len(st.chunks) for name, st in self.ops.items() if not st.skipped}
+
+    def unfinished(self) -> dict[str, str]:
+        """Op -> a short description of what it still waits for (for timeout messages)."""
+        out = {}
+        for name, st in self.ops.items():
+            if st.finished:
+                continue
+            missing = [c for c in st.plan.inputs if self._have_count.get(c, self.num_rows) < self.num_rows]
+            running = sum(1 for left in st.parts_left.values() if left)
+            out[name] = (f"{st.done}/{len(st.chunks)} chunks done, {running} running"
+                         + (f", waiting for columns {missing}" if missing else ""))
+        return out
+
+    def tags(self, op: str, rows: Sequence[int]) -> tuple[bool, ...]:
+        """Padding tags of `rows` for a call of `op`: padding rows, and rows dropped by an op upstream."""
+        return tuple(self.is_padding[i] or (i in self.dropped and op in self._downstream(self.dropped[i][1]))
+                     for i in rows)
+
+    def _downstream(self, op: str) -> list[str]:
+        return self.ops[op].plan.downstream
+
+    # ------------------------------------------------------------------ dispatch
+    def next_calls(self) -> list[Call]:
+        """The calls to start now (ready chunks onto idle ranks); they count as running."""
+        calls: list[Call] = []
+        for pool, orders in self._waiting.items():
+            i = 0
+            while i < len(orders) and self._busy_in[pool] < self._slots[pool]:
+                st = self._by_order[orders[i]]
+                calls += self._assign(st)
+                if st.ready:
+                    i += 1
+                else:
+                    orders.pop(i)
+        return calls
+
+    def _assign(self, st: _Op) -> list[Call]:
+        group, dp = st.plan.group, self._dp[st.plan.group]
+        free = [r for r in range(dp) if (st.pool, r) not in self._busy]
+        calls: list[Call] = []
+        while st.ready and free:
+            if st.plan.mode == "barrier":
+                if len(free) < dp:
+                    break
+                chunk = st.chunks[heapq.heappop(st.ready)]
+                n = len(chunk.rows)
+                parts = [(r, chunk.rows[r * n // dp:(r + 1) * n // dp]) for r in range(dp)]
+            else:
+                chunk = st.chunks[heapq.heappop(st.ready)]
+                parts = [(min(free, key=lambda r: (self._sent[(group, r)], r)), chunk.rows)]
+            st.parts_left[chunk.index] = len(parts)
+            st.started += 1
+            for rank, rows in parts:
+                free.remove(rank)
+                self._busy.add((st.pool, rank))
+                self._busy_in[st.pool] += 1
+                self._sent[(group, rank)] += len(rows)
+                calls.append(Call(chunk, group, rank, rows))
+        return calls
+
+    # ------------------------------------------------------------------ events
+    def rows_done(self, op: str, rows: Sequence[int]) -> None:
+        """`op`'s per-sample outputs now exist for `rows` (a finished chunk, or part of a running call)."""
+        st = self.ops[op]
+        for col in st.plan.outputs:
+            if self.plan.columns[col].level == "sample":
+                self._mark(col, rows)
+
+    def call_done(self, call: Call) -> bool:
+        """`call` finished; frees its rank. Returns True when its whole chunk is done."""
+        st = self.ops[call.chunk.op]
+        self._busy.discard((st.pool, call.rank))
+        self._busy_in[st.pool] -= 1
+        st.parts_left[call.chunk.index] -= 1
+        if st.parts_left[call.chunk.index]:
+            return False
+        st.done += 1
+        self.rows_done(call.chunk.op, call.chunk.rows)
+        if st.finished:
+            for col in st.plan.outputs:
+                if self.plan.columns[col].level == "batch":
+                    self._mark(col, range(self.num_rows))
+            self._stage_finished(st.plan.stage)
+        return True
+
+    def drop(self, row: int, reason: str, op: str, whole_group: bool) -> None:
+        """`op` dropped `row` (and with `whole_group`, every real row of its group) from training."""
+        rows = [r for r in range(self.num_rows) if self.uids[r] == self.uids[row]] if whole_group else [row]
+        for r in rows:
+            if not self.is_padding[r] and r not in self.dropped:
+                self.dropped[r] = (reason, op)
+
+    def _mark(self, col: str, rows: Sequence[int] | range) -> None:
+        have = self._have.get(col)
+        if have is None:  # nobody reads it this step
+            return
+        readers = self._readers[col]
+        fresh = 0
+        for r in rows:
+            if have[r]:
+                continue
+            have[r] = 1
+            fresh += 1
+            for st in readers:
+                k = st.chunk_of[r]
+                st.missing[k] -= 1
+                if st.missing[k] == 0:
+                    self._release(st, k)
+        self._have_count[col] += fresh
+
+    def _release(self, st: _Op, k: int) -> None:
+        """Chunk `k` of `st` has all its inputs: ready to dispatch, or held until its stage opens."""
+        if self.schedule == "sync" and st.plan.stage > self._open:
+            self._held.setdefault(st.plan.stage, []).append((st, k))
+            return
+        heapq.heappush(st.ready, k)
+        orders = self._waiting[st.pool]
+        i = bisect.bisect_left(orders, st.order)
+        if i == len(orders) or orders[i] != st.order:
+            orders.insert(i, st.order)
+
+    def _open_stage(self) -> int:
+        """The first stage with an unfinished op (every op before it has finished)."""
+        open_ = [s for s, left in self._left_in_stage.items() if left]
+        return min(open_) if open_ else max(self._left_in_stage, default=0) + 1
+
+    def _stage_finished(self, stage: int) -> None:
+        self._ops_left -= 1
+        self._left_in_stage[stage] -= 1
+        if self._left_in_stage[stage]:
+            return
+        self._open = self._open_stage()
+        for s in sorted(s for s in self._held if s <= self._open):
+            for st, k in self._held.pop(s):
+                self._release(st, k)

@@ -1,0 +1,213 @@
+"""The step scheduler: chunks, readiness, dispatch and repair decisions, pure bookkeeping (no Ray)."""
+
+import pytest
+
+from rlgraph import compile
+from rlgraph.graph.loader import load_pipeline
+from rlgraph.runtime.scheduler import Repair, StepScheduler, make_chunks, repair_for
+
+
+def _plan(example, *overrides):
+    pipeline, _ = load_pipeline(f"tests/resources/{example}_pinned.py")
+    return compile(pipeline, list(overrides))
+
+
+def _rows(batch, n, pad):
+    # rows of one prompt are contiguous; each padding row is its own group
+    uids = [p for p in range(batch) for _ in range(n)] + [batch + i for i in range(pad)]
+    return uids, [False] * (batch * n) + [True] * pad
+
+
+def _sched(plan, batch, n, schedule="stream", step=0, pad=None, **kw):
+    pad = plan.batch.pad_rows if pad is None else pad
+    uids, padding = _rows(batch, n, pad)
+    return StepScheduler(plan, uids, padding, step, schedule, **kw)
+
+
+def test_chunks_cover_rows_once_per_mode():
+    plan = _plan("grpo", "data.batch_size=3", "rollout.n=4", "actor.mini_batch_size=2",
+                 "rollout.micro_batch_size=2", "reward.micro_batch_size=5")
+    # 3 prompts x 4 = 12 samples; multiple = lcm(1, 2*4) = 8 -> padded 16: 4 padding rows
+    assert plan.batch.padded_batch == 16
+    uids, _ = _rows(3, 4, 4)
+    gen = make_chunks(plan.op("generate"), uids)  # per rank: one call with all rows (the body batches inside)
+    assert [c.rows for c in gen] == [tuple(range(16))]
+    adv = make_chunks(plan.op("advantage"), uids)  # group mode, one group per chunk (no micro_batch_size)
+    assert [c.rows for c in adv] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12,), (13,), (14,), (15,)]
+    rew = make_chunks(plan.op("reward"), uids)  # stream mode, 5 rows per chunk
+    assert [len(c.rows) for c in rew] == [5, 5, 5, 1]
+    upd = make_chunks(plan.op("update_actor"), uids)  # barrier: one chunk of all rows
+    assert upd[0].rows == tuple(range(16)) and len(upd) == 1
+    for chunks in (gen, adv, rew, upd):
+        rows = [r for c in chunks for r in c.rows]
+        assert sorted(rows) == list(range(16))
+    # two actor ranks: generate's 7 groups (3 prompts, 4 padding rows) split 3 + 4, whole groups each
+    two = _plan("grpo", "data.batch_size=3", "rollout.n=4", "actor.mini_batch_size=2", "groups.actor.dp=2")
+    assert [c.rows for c in make_chunks(two.op("generate"), uids)] == [tuple(range(12)), (12, 13, 14, 15)]
+
+
+def _drain(sched):
+    """Start every call the scheduler gives, finish them all, repeat; return the calls in order."""
+    calls = []
+    while not sched.finished:
+        wave = sched.next_calls()
+        assert wave, f"deadlock: {sched.unfinished()}"
+        calls += wave
+        for c in wave:
+            sched.call_done(c)
+    return calls
+
+
+@pytest.mark.parametrize("schedule", ["stream", "sync"])
+def test_same_calls_under_both_schedules(schedule):
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "rollout.micro_batch_size=1")
+    calls = sorted((c.chunk.op, c.chunk.index, c.rows) for c in _drain(_sched(plan, 4, 2, schedule)))
+    other = sorted((c.chunk.op, c.chunk.index, c.rows)
+                   for c in _drain(_sched(plan, 4, 2, "stream" if schedule == "sync" else "sync")))
+    assert calls == other
+    assert {op.name for op in plan.ops} == {c[0] for c in calls}
+
+
+def test_stream_starts_reward_before_generation_ends_and_sync_does_not():
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "reward.micro_batch_size=2")
+    stream = _sched(plan, 4, 2, "stream")
+    (gen,) = [c for c in stream.next_calls() if c.chunk.op == "generate"]  # one call: all of the rank's rows
+    assert gen.rows == tuple(range(plan.batch.padded_batch))
+    stream.rows_done("generate", (0, 1))  # a part: the first group is generated
+    wave = stream.next_calls()
+    assert [c.rows for c in wave if c.chunk.op == "reward"] == [(0, 1)]
+    assert not [c for c in wave if c.chunk.op == "advantage"]  # a barrier: waits for every row
+    sync = _sched(plan, 4, 2, "sync")
+    (g,) = sync.next_calls()
+    sync.rows_done("generate", (0, 1))
+    assert sync.next_calls() == []  # stage 1 waits for all of stage 0, parts or not
+    sync.call_done(g)
+    # generation done: its stage-1 readers start (ref waits: one call at a time on the actor)
+    assert {c.chunk.op for c in sync.next_calls()} == {"old_logprob", "reward", "values"}
+
+
+def test_partial_outputs_release_downstream_chunks_before_the_call_ends():
+    plan = _plan("grpo", "data.batch_size=4", "rollout.n=2", "rollout.micro_batch_size=4",
+                 "reward.micro_batch_size=2")
+    sched = _sched(plan, 4, 2)
+    (gen,) = sched.next_calls()
+    assert gen.rows == tuple(range(8))  # one call for all 4 groups
+    sched.rows_done("generate", (2, 3))  # the second group finished first
+    wave = sched.next_calls()
+    assert [(c.chunk.op, c.rows) for c in wave] == [("reward", (2, 3))]
+    sched.rows_done("generate", (2, 3))  # reported twice: nothing changes
+    assert sched.next_calls() == []
+    assert sched.call_done(wave[0])  # the reward chunk is done
+    assert sched.call_done(gen)  # the rest of generation's rows become ready with the call
+    assert [c.rows for c in _drain(sched) if c.chunk.op == "reward"] == [(0, 1), (4, 5), (6, 7)]
+
+
+def test_dispatch_prefers_the_least_loaded_idle_rank_and_shards_barriers():
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "groups.reward.dp=3", "cluster.cpus_per_node=16",
+                 "reward.micro_batch_size=2", "groups.actor.dp=2")
+    # 8 samples padded to lcm(dp 2, dp 3, 4 x 2) = 24: 4 groups + 16 padding rows = 20 groups, 10 per actor rank
+    assert plan.batch.padded_batch == 24
+    sched = _sched(plan, 4, 2)
+    gens = sched.next_calls()
+    assert [(c.chunk.index, c.rank, c.rows) for c in gens] == [(0, 0, tuple(range(14))), (1, 1, tuple(range(14, 24)))]
+    assert sched.next_calls() == []  # both actor ranks busy
+    sched.rows_done("generate", (4, 5))  # parts of both calls: the reward pool takes them, least loaded first
+    (rew,) = sched.next_calls()
+    assert (rew.chunk.op, rew.rows, rew.rank) == ("reward", (4, 5), 0)
+    sched.rows_done("generate", (0, 1))
+    (rew2,) = sched.next_calls()
+    assert (rew2.rows, rew2.rank) == ((0, 1), 1)  # rank 0 is busy: the idle rank handed the fewest rows
+    sched.call_done(rew)
+    sched.rows_done("generate", (2, 3))
+    (rew3,) = sched.next_calls()
+    assert (rew3.rows, rew3.rank) == ((2, 3), 2)  # ranks 0 and 2 idle; rank 2 was handed no rows yet
+    for c in (*gens, rew2, rew3):
+        sched.call_done(c)
+    # the rest: the update is a barrier over both actor ranks, one contiguous shard each
+    calls = _drain(sched)
+    shards = [c for c in calls if c.chunk.op == "update_actor"]
+    rows = plan.batch.padded_batch
+    assert [(c.rank, c.rows) for c in shards] == [(0, tuple(range(rows // 2))), (1, tuple(range(rows // 2, rows)))]
+    assert sched.finished
+
+
+def test_colocated_groups_take_turns_on_their_pool():
+    plan = _plan("ppo", "data.batch_size=2", "rollout.n=2", "groups.critic.pool=actor", "actor.mini_batch_size=2",
+                 "critic.mini_batch_size=2")
+    sched = _sched(plan, 2, 2)
+    busy = []
+    while not sched.finished:
+        wave = sched.next_calls()
+        pools = [plan.group(c.group).pool for c in wave]
+        assert len(pools) == len(set(zip(pools, [c.rank for c in wave])))  # one call per bundle
+        busy.append({c.group for c in wave if plan.group(c.group).pool == "actor"})
+        for c in wave:
+            sched.call_done(c)
+    assert all(len(groups) <= 1 for groups in busy)  # actor and critic never at once
+
+
+def test_warmup_and_validation_skip_ops():
+    plan = _plan("ppo", "trainer.critic_warmup=2")
+    sched = _sched(plan, 8, 4, pad=plan.batch.pad_rows_warmup)
+    assert sched.ops["update_actor"].skipped and not sched.ops["update_critic"].skipped
+    assert "update_actor" not in sched.chunk_counts()
+    assert "generate" in sched.unfinished()
+    calls = _drain(sched)
+    assert "update_actor" not in {c.chunk.op for c in calls}
+    val = _sched(plan, 8, 4, ops={"generate", "reward"}, pad=plan.batch.pad_rows_warmup)
+    assert {c.chunk.op for c in _drain(val)} == {"generate", "reward"}
+
+
+def test_unfinished_names_missing_columns():
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2")
+    sched = _sched(plan, 4, 2)
+    sched.next_calls()
+    desc = sched.unfinished()
+    assert desc["generate"].startswith("0/") and "1 running" in desc["generate"]
+    assert "waiting for columns" in desc["advantage"] and "'token_level_scores'" in desc["advantage"]
+
+
+def test_dropped_rows_are_padding_only_downstream_of_the_dropping_op():
+    plan = _plan("ppo", "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=2", "critic.mini_batch_size=2")
+    sched = _sched(plan, 2, 2)
+    sched.drop(1, "reward_error", "reward", whole_group=True)  # rows 0 and 1 share a prompt
+    assert sched.dropped == {0: ("reward_error", "reward"), 1: ("reward_error", "reward")}
+    assert sched.tags("advantage", (0, 1, 2)) == (True, True, False)
+    assert sched.tags("old_logprob", (0, 1, 2)) == (False, False, False)  # not downstream of reward
+    sched.drop(2, "other", "reward", whole_group=False)
+    assert 3 not in sched.dropped
+
+
+def test_repair_decisions():
+    plan = _plan("ppo")
+    assert repair_for(plan, "reward", died=False, stateful=False) is Repair.RERUN
+    assert repair_for(plan, "reward", died=True, stateful=False) is Repair.RESTART_GROUP
+    assert repair_for(plan, "generate", died=False, stateful=True) is Repair.RERUN
+    assert repair_for(plan, "generate", died=True, stateful=True) is Repair.RESTORE
+    assert repair_for(plan, "update_actor", died=False, stateful=True) is Repair.RESTORE  # may have stepped
+
+
+def test_a_completion_touches_only_the_chunks_it_unblocks():
+    """Marking rows ready visits the readers of the finished op's columns on those rows, whatever else
+    the plan holds: a reader of a column the call did not write is never looked at."""
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2")
+    sched = _sched(plan, 4, 2)
+    seen = []
+    for st in sched.ops.values():
+        orig = st.missing
+
+        class Spy(list):
+            def __setitem__(self, k, v, _name=st.plan.name):
+                seen.append(_name)
+                super().__setitem__(k, v)
+
+        st.missing = Spy(orig)
+    sched.next_calls()
+    seen.clear()
+    sched.rows_done("generate", (0, 1))  # a part of generation: two rows
+    readers = {o.name for o in plan.ops if set(o.inputs) & set(plan.op("generate").outputs)}
+    assert set(seen) == readers and "update_critic" in readers
+    # each reader's chunk of rows 0,1 is touched once per (input column of generate, row)
+    for name in readers:
+        cols = set(plan.op(name).inputs) & set(plan.op("generate").outputs)
+        assert seen.count(name) == len(cols) * 2

@@ -1,0 +1,81 @@
+"""Streaming op bodies on real Ray and TransferQueue: a generator yields its groups as they finish,
+each part is put and reported at once, and ops downstream start on it while the call still runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlgraph import compile
+from rlgraph.graph.loader import load_pipeline
+from rlgraph.runtime.runner import Fault, RunOptions, run_plan
+
+pytestmark = pytest.mark.ray
+
+PIPELINE = str(Path(__file__).parents[1] / "resources" / "stream_pipeline.py")
+VOLATILE = ("timing/", "throughput/", "driver/result_bytes", "schedule", "load/", "gen/gen_metrics/seconds")
+
+
+def _plan(*overrides):
+    pipeline, ref = load_pipeline(PIPELINE)
+    return compile(pipeline, list(overrides), pipeline_ref=ref)
+
+
+def _stable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _spans(out):
+    return [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def test_plan_declares_the_streaming_op():
+    plan = _plan()
+    gen = plan.op("gen")
+    assert gen.streams and gen.batching.per_rank and plan.op("score").streams is False
+    # one call per rank: 6 prompts x 2 on one rank, in one chunk
+    from rlgraph.runtime.scheduler import make_chunks
+
+    uids = [p for p in range(6) for _ in range(2)]
+    assert [c.rows for c in make_chunks(gen, uids)] == [tuple(range(12))]
+
+
+def test_parts_start_downstream_ops_before_the_call_ends_and_schedules_agree(tq_plane, tmp_path):
+    plan = _plan()
+    stream = run_plan(plan, RunOptions(out_dir=tmp_path / "stream", steps=2, schedule="stream", timeout_s=120),
+                      plane=tq_plane)
+    sync = run_plan(plan, RunOptions(out_dir=tmp_path / "sync", steps=2, schedule="sync", timeout_s=120),
+                    plane=tq_plane)
+    assert _stable(stream) == _stable(sync)
+    assert stream[0]["gen/gen_metrics/groups"] == 6 and stream[1]["update/update_metrics/w"] > 1.0
+    for out, overlaps in ((tmp_path / "stream", True), (tmp_path / "sync", False)):
+        spans = _spans(out)
+        for step in (0, 1):
+            (gen,) = [s for s in spans if s["name"] == "gen" and s["args"]["step"] == step]
+            gen_end = gen["ts"] + gen["dur"]
+            early = [s for s in spans if s["name"] in ("score", "adv") and s["args"]["step"] == step
+                     and s["ts"] < gen_end]
+            assert bool(early) == overlaps, (out.name, step, gen, early)
+        parts = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "i"]
+        assert len([p for p in parts if p["name"] == "gen part"]) == 2 * 6  # a part per group, per step
+
+
+def test_a_streaming_call_that_fails_after_a_part_is_run_again(tq_plane, tmp_path):
+    plan = _plan()
+    clean = run_plan(plan, RunOptions(out_dir=tmp_path / "clean", steps=2, timeout_s=120), plane=tq_plane)
+    failing = _plan("gen.fail_step=1")
+    # fail_step makes gen raise after its first part on every try: more tries than retries -> the step fails
+    with pytest.raises(Exception, match=r"gen was told to fail after its first part"):
+        run_plan(failing, RunOptions(out_dir=tmp_path / "fail", steps=2, timeout_s=120), plane=tq_plane)
+    # failing once, after its first part was handed on (score may have started on it): run again, same results
+    once = _plan("gen.fail_step=1", f"gen.fail_once_file={tmp_path / 'failed_once'}")
+    retried = run_plan(once, RunOptions(out_dir=tmp_path / "once", steps=2, timeout_s=120), plane=tq_plane)
+    assert retried[1]["faults/retries"] == 1
+    assert _stable(retried) == [{**r, "faults/retries": retried[i]["faults/retries"]}
+                                for i, r in enumerate(_stable(clean))]
+    # a worker killed after it wrote its outputs (all parts) costs a restore and replay, no sample
+    killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=120,
+                                       faults=[Fault("gen", step=1, kind="kill_after")]), plane=tq_plane)
+    assert _stable(killed) == [{**r, "faults/retries": r["faults/retries"] + (1 if r["step"] == 1 else 0),
+                                "faults/restarts": killed[i]["faults/restarts"]}
+                               for i, r in enumerate(_stable(clean))]
