@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
-NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout"]
+NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="+", choices=NAMES + ["all"], help="benchmarks to run")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/performance.md)")
-    p.add_argument("--steps", type=int, default=None, help="steps per schedule (overlap, real)")
+    p.add_argument("--steps", type=int, default=None, help="steps per schedule (overlap, real) or per k (staleness: the real example)")
     args = p.parse_args(argv)
     from benchmarks import common
 
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}", flush=True)
             mod = importlib.import_module(f"benchmarks.{name}")
             sub_argv = [name] + (["--quick"] if args.quick else []) + (
-                [f"--steps={args.steps}"] if args.steps and name in ("overlap", "real") else [])
+                [f"--steps={args.steps}"] if args.steps and name in ("overlap", "real", "staleness") else [])
             kw = {"quick": args.quick, "argv": sub_argv}
-            if name in ("overlap", "real") and args.steps:
+            if name in ("overlap", "real", "staleness") and args.steps:
                 kw["steps"] = args.steps
             if name == "overlap":
                 kw["svg"] = svg if svg is not None else Path(doc).with_name("overlap.svg")

@@ -112,6 +112,8 @@ class SimPrompts:
 
 source = DataSource(columns={"prompt_ids": T.int64("prompt_len")}, impl=SimPrompts)
 SIM = T.float32().metric()
+# the policy: written by the update, read by generation (a step later, or up to max_staleness more)
+WEIGHTS = T.opaque(doc="simulated policy version").state()
 
 
 def group_finish_times(rows: Sequence[int], uids: Sequence[int], lens: Sequence[int], is_padding: Sequence[bool],
@@ -129,7 +131,8 @@ def group_finish_times(rows: Sequence[int], uids: Sequence[int], lens: Sequence[
 
 @op(outputs={"responses": T.int64(R), "gen_sim": SIM}, granularity="group", group="rollout",
     group_size_param="n", batching=Batching(micro_batch="micro_batch_size", per_rank=True))
-def generate_groups(prompt_ids: T.int64("prompt_len"), uid: T.int64(), *, n: int = 4, micro_batch_size: int = 2,
+def generate_groups(prompt_ids: T.int64("prompt_len"), uid: T.int64(), weights: WEIGHTS = None, *, n: int = 4,
+                    micro_batch_size: int = 2,
                     median_len: int = 256, sigma: float = 0.75, max_len: int = 4096, gen_prefill_s: float = 0.02,
                     gen_token_s: float = 0.0008, fwd_call_s: float = 0.005, fwd_token_s: float = 0.00004,
                     adv_call_s: float = 0.002, upd_token_s: float = 0.00012, time_scale: float = 1.0, ctx=None):
@@ -147,7 +150,7 @@ def generate_groups(prompt_ids: T.int64("prompt_len"), uid: T.int64(), *, n: int
 
 @op(outputs={"responses": T.int64(R), "gen_sim": SIM}, granularity="group", group="rollout",
     group_size_param="n")
-def generate(prompt_ids: T.int64("prompt_len"), *, n: int = 4, micro_batch_size: int = 2,
+def generate(prompt_ids: T.int64("prompt_len"), weights: WEIGHTS = None, *, n: int = 4, micro_batch_size: int = 2,
              median_len: int = 256, sigma: float = 0.75, max_len: int = 4096, gen_prefill_s: float = 0.02,
              gen_token_s: float = 0.0008, fwd_call_s: float = 0.005, fwd_token_s: float = 0.00004,
              adv_call_s: float = 0.002, upd_token_s: float = 0.00012, time_scale: float = 1.0, ctx=None):
@@ -188,12 +191,12 @@ def advantage(token_level_scores: T.float32(R), uid: T.int64(), *, micro_batch_s
     return {"advantages": token_level_scores}
 
 
-@op(outputs={"update_metrics": T.json().metric()}, granularity="batch", group="train")
+@op(outputs={"update_metrics": T.json().metric(), "weights": WEIGHTS}, granularity="batch", group="train")
 def update(responses: T.int64(R), old_log_probs: T.float32(R), ref_log_prob: T.float32(R),
            advantages: T.float32(R), ctx=None):
     lens = list(ctx.lengths.get(R, [responses.shape[1]] * responses.shape[0]))
     t = _sleep_for("update", ctx, lens)
-    return {"update_metrics": {"sim_s": t}}
+    return {"update_metrics": {"sim_s": t}, "weights": {"step": ctx.step}}
 
 
 OPS = [generate, reward, old_logprob, ref, advantage, update]
@@ -217,8 +220,8 @@ def pipeline(pools: int = 4, rollout_dp: int = 4, train_dp: int = 2, cpus_per_no
     ops.append(reward if pools >= 3 else _regroup(reward, "train"))
     ops.append(ref if pools >= 4 else _regroup(ref, "train"))
     ops = sorted(ops, key=lambda o: [f.__name__ for f in OPS].index(_name(o)))
-    if streaming:
-        ops[0] = op_spec(generate_groups).with_(name="generate")
+    # the rollout may run up to trainer.max_staleness steps ahead of the update (default 0)
+    ops[0] = op_spec(generate_groups if streaming else generate).with_(name="generate", stale_ok=True)
     groups = [WorkerGroup("rollout", dp=rollout_dp, num_cpus=0.1), WorkerGroup("train", dp=train_dp, num_cpus=0.1),
               WorkerGroup("cpu", dp=1, num_cpus=0.1)]
     if pools >= 3:
@@ -366,3 +369,77 @@ def simulate(plan: Any, step: int, schedule: str) -> float:
         else:
             sched.call_done(call)
     return now
+
+
+def simulate_steps(plan: Any, steps: int, schedule: str) -> dict[str, Any]:
+    """`steps` steps of the runtime's own scheduler and cross-step window (`StepScheduler`,
+    `Window`, up to ``trainer.max_staleness`` + 1 steps in flight) with zero overhead: an event
+    simulation in which each call holds its rank for its modelled duration and weight syncs are
+    instant. Returns the makespan, each pool's idle fraction and each step's staleness (how many
+    updates behind the trained policy its rollout policy was)."""
+    import heapq
+
+    from rlgraph.runtime.scheduler import Slots, StepScheduler
+    from rlgraph.runtime.window import Window
+
+    c = _cost(plan.config)
+    seed = int(plan.config["trainer"]["seed"])
+    depth = int(plan.config["trainer"].get("max_staleness", 0)) + 1
+    state_ops = {o.name for o in plan.ops if o.state_inputs or any(plan.columns[x].kind == "state" for x in o.outputs)}
+    window = Window(plan, {g.name: any(o in state_ops for o in g.ops) for g in plan.groups})
+    slots = Slots(plan)
+    layout = {}
+    events: list[tuple[float, int, int, Any, Any]] = []  # (time, tie-break, step, call, part rows or None)
+    busy = {p.name: 0.0 for p in plan.pools}
+    read: dict[int, int | None] = {}  # step -> producer step of the weights its rollout read
+    now, k, admitted = 0.0, 0, 0
+    while admitted < steps or window.live:
+        while admitted < steps and len(window.live) < depth:
+            uids, pad = step_layout(plan, admitted)
+            layout[admitted] = (uids, pad, lengths_for(seed, admitted, range(len(uids)), pad, c))
+            window.admit(admitted, StepScheduler(plan, uids, pad, admitted, schedule, slots=slots,
+                                                 gated=window.gated_ops()))
+            admitted += 1
+        synced = True
+        while synced:  # weight syncs are instant here: apply them, then open what they unblock
+            synced = False
+            for gate in window.gates():
+                if gate.sync is not None:
+                    window.holds(*gate.sync)
+                    synced = True
+                else:
+                    window.live[gate.step].open(gate.op)
+                    if gate.op == "generate":
+                        read[gate.step] = window.held.get(("weights", "rollout"))
+        for s in sorted(window.live):
+            uids, pad, lens = layout[s]
+            for call in window.live[s].next_calls():
+                pool = plan.op(call.chunk.op).group
+                pool = next(g.pool for g in plan.groups if g.name == pool)
+                if plan.op(call.chunk.op).streams:
+                    times = group_finish_times(call.rows, uids, lens, pad, c)
+                    for t, ks in times:
+                        heapq.heappush(events, (now + t, k, s, call, [call.rows[x] for x in ks]))
+                        k += 1
+                    dur = max(t for t, _ in times)
+                else:
+                    dur = op_seconds(call.chunk.op, [lens[i] for i in call.rows], c)
+                busy[pool] += dur
+                heapq.heappush(events, (now + dur, k, s, call, None))
+                k += 1
+        done = list(window.pop_done())
+        if not events:
+            if done or (admitted < steps and len(window.live) < depth):
+                continue
+            raise RuntimeError(f"simulated steps {sorted(window.live)} cannot make progress: "
+                               f"{ {s: window.live[s].unfinished() for s in window.live} }")
+        now, _, s, call, rows = heapq.heappop(events)
+        sched = window.live[s]
+        if rows is not None:
+            sched.rows_done(call.chunk.op, rows)
+        elif sched.call_done(call) and sched.op_finished(call.chunk.op):
+            window.produced(call.chunk.op, s)
+    idle = {p.name: 1 - busy[p.name] / (now * len(p.bundles)) for p in plan.pools if busy[p.name] or p.name != "cpu"}
+    # policy versions: the weights written by the update of step s are version s + 1 (0: initial)
+    staleness = [t - (read[t] + 1 if read.get(t) is not None else 0) for t in range(steps)]
+    return {"makespan": now, "idle": idle, "staleness": staleness}

@@ -32,21 +32,17 @@ def _sample_columns(plan: Any, cols: list[str]) -> list[str]:
 class ClassicRunner(Runner):
     """The driver gathers every stage's outputs and ships every call's inputs."""
 
-    def _submit(self, call: Any, sched: Any, step: int, partition: str, rec: Any, inflight: Any) -> None:
+    def _submit(self, call: Any, lv: Any, inflight: Any) -> None:
         cols = _sample_columns(self.plan, self.plan.op(call.chunk.op).inputs)
         if cols and call.rows:
-            self.fleet.plane.get(partition, call.rows, cols)
-        super()._submit(call, sched, step, partition, rec, inflight)
+            self.fleet.plane.get(lv.partition, call.rows, cols)
+        super()._submit(call, lv, inflight)
 
-    def _finish(self, call: Any, result: Any, sched: Any, rec: Any) -> None:
+    def _finish(self, call: Any, result: Any, lv: Any) -> None:
         cols = _sample_columns(self.plan, self.plan.op(call.chunk.op).outputs)
         if cols and call.rows:
-            self.fleet.plane.get(self._partition, call.rows, cols)
-        super()._finish(call, result, sched, rec)
-
-    def step(self, step: int, partition: str | None = None, ops: Any = None) -> Any:
-        self._partition = partition or f"train_{step}"
-        return super().step(step, self._partition, ops)
+            self.fleet.plane.get(lv.partition, call.rows, cols)
+        super()._finish(call, result, lv)
 
 
 def worker_bytes(runner: Runner) -> int:

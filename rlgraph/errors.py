@@ -77,6 +77,11 @@ class OpError(RLGraphError):
     its declaration. The message names the op, the worker, the step and the rows."""
 
 
+class InvariantError(RLGraphError):
+    """A broken invariant of the run, a bug rather than a transient failure (e.g. the update given
+    samples older than trainer.max_staleness): the run fails at once, retrying cannot help."""
+
+
 class StepTimeout(RLGraphError):
     """A wait inside a run exceeded its limit; the message says what was pending."""
 

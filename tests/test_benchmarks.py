@@ -145,3 +145,38 @@ def test_rollout_quick(tmp_path):
     assert num(row["tokens / step"]) > 0
     assert num(row["hf s / step"]) > 0 and num(row["vllm s / step"]) > 0
     assert num(row["hf / vllm"]) == pytest.approx(num(row["hf s / step"]) / num(row["vllm s / step"]), rel=0.05)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_multi_step_replay_keeps_one_step_results_at_k0_and_bounds_staleness(streaming):
+    import rlgraph
+
+    def plan(k):
+        return rlgraph.compile(sim.pipeline(4, cpus_per_node=8, streaming=streaming),
+                               ["generate.sigma=1.25", "data.batch_size=16", f"trainer.max_staleness={k}"])
+
+    p0 = plan(0)
+    for schedule in ("sync", "stream"):  # k=0: steps one after another, each as the one-step replay
+        got = sim.simulate_steps(p0, 4, schedule)
+        assert got["makespan"] == pytest.approx(sum(sim.simulate(p0, s, schedule) for s in range(4)))
+        assert got["staleness"] == [0, 0, 0, 0]
+    stream = sim.simulate_steps(p0, 6, "stream")["makespan"]
+    k1, k2 = sim.simulate_steps(plan(1), 6, "stream"), sim.simulate_steps(plan(2), 6, "stream")
+    assert k1["staleness"] == [0, 1, 1, 1, 1, 1] and k2["staleness"] == [0, 1, 2, 2, 2, 2]
+    # more steps in flight never slow the zero-overhead replay down, and here they speed it up
+    assert k2["makespan"] <= k1["makespan"] + 1e-9 < stream
+    assert 0 <= k1["idle"]["rollout"] < 1
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.bench  # not in the default run: tests/runtime/test_async.py covers k=1 on the example
+def test_staleness_quick(tmp_path, planes):
+    from benchmarks import staleness
+
+    doc = tmp_path / "perf.md"
+    common.write_section(staleness.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "staleness")
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    modes = [dict(zip(head, b))["mode"] for b in body if len(b) == len(head)]
+    assert modes[:4] == ["sync", "stream", "k=1", "k=2"]

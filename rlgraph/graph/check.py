@@ -21,6 +21,9 @@ output-missing              a declared pipeline output that nothing produces
 summary-column              a summary that names a column nothing produces, or one that is
                             not a per-sample numeric data column
 validation-column           a validation column that no op produces
+staleness-unused            trainer.max_staleness > 0 but no op may run ahead (stale_ok and reading state)
+staleness-colocated         a stale_ok op shares a group with the op writing its state (one copy, changed in place)
+staleness-mixed             a stale_ok op and an op reading the latest state share a group (one copy)
 op-unused                   an op none of whose outputs is read, kept or a metric
 cycle                       a dependency cycle through data columns
 granularity                 a per-sample or per-group op reads a column that exists only
@@ -200,6 +203,38 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                             f"{src}.batch_size={batch_size}",
                             f"set {o.namespace}.{o.batching.mini_batch} to at most {batch_size} "
                             f"(or raise {src}.batch_size)", op=o.name))
+
+    # Asynchronous training: who may run ahead, on which weights --------------------------------
+    k = g.config.get("trainer.max_staleness", 0)
+    if isinstance(k, int) and k > 0:
+        state_reads = {o.name: [c for c, t in o.inputs.items() if t.kind == "state" and c in g.producers]
+                       for o in p.ops}
+        ahead = [o for o in p.ops if o.stale_ok and state_reads[o.name]]
+        if not ahead:
+            add(Problem("staleness-unused", f"trainer.max_staleness={k}, but no op may run ahead: none is declared "
+                        "stale_ok and reads a state column (the rollout, stages.generate, is)",
+                        "set trainer.max_staleness=0, or add the rollout op (stages.generate) reading policy_weights"))
+        by_name = {o.name: o for o in p.ops}
+        for o in ahead:
+            for c in state_reads[o.name]:
+                producer = g.producers[c][0]
+                if by_name.get(producer) is not None and by_name[producer].group == o.group:
+                    add(Problem("staleness-colocated",
+                                f"trainer.max_staleness={k}: op {o.name!r} would generate with weights up to {k} "
+                                f"step(s) old, but it runs in worker group {o.group!r} with {producer!r}, which "
+                                f"changes those weights ({c!r}) in place",
+                                f"run {o.name!r} in a worker group of its own, e.g. stages.generate(group='rollout') "
+                                f"with WorkerGroup('rollout', ...) (its weights are synced from {producer!r}), or "
+                                f"set trainer.max_staleness=0", op=o.name, column=c))
+                    continue
+                same = [x.name for x in p.ops if x is not o and x.group == o.group and c in state_reads[x.name]
+                        and not x.stale_ok]
+                if same:
+                    add(Problem("staleness-mixed",
+                                f"trainer.max_staleness={k}: ops {o.name!r} and {same[0]!r} share worker group "
+                                f"{o.group!r} and read {c!r}, but {o.name!r} may read it {k} step(s) old and "
+                                f"{same[0]!r} must read the latest; a group holds one copy",
+                                f"give {o.name!r} a worker group of its own", op=o.name, column=c))
 
     # Op-specific validation ------------------------------------------------------------------
     for o in p.ops:

@@ -19,7 +19,7 @@ from rlgraph.graph.dsl import Pipeline
 from rlgraph.graph.place import place
 from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, ValidationPlan
 from rlgraph.graph.prune import prune
-from rlgraph.graph.schedule import mode_of, schedule
+from rlgraph.graph.schedule import mode_of, schedule, staleness
 from rlgraph.version import __version__
 
 __all__ = ["compile_pipeline", "plan_from_graph"]
@@ -65,6 +65,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
             concurrent_with=concurrent[o.name],
             skip_before_step=gated(g, o),
             drops=o.drops,
+            lag=staleness(g, o),
             streams=o.streams,
             downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if o.drops else [],
             runtime_params=list(o.runtime_params),

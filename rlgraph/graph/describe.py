@@ -79,7 +79,8 @@ def _mode(o: OpPlan) -> str:
 
 
 def _inputs(o: OpPlan) -> str:
-    return ", ".join([*o.inputs, *(f"{c} (state)" for c in o.state_inputs)])
+    stale = f", up to {o.lag} step(s) stale" if o.lag else ""
+    return ", ".join([*o.inputs, *(f"{c} (state{stale})" for c in o.state_inputs)])
 
 
 def ops_table(plan: Plan) -> Table:

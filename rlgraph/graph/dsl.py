@@ -64,6 +64,10 @@ TRAINER_PARAMS: Mapping[str, Param] = MappingProxyType(
                              "fails; each one re-runs the lost work", minimum=0),
         "schedule": Param(str, "stream", "stream: ops start on partial data; sync: a barrier after each stage",
                           choices=("stream", "sync")),
+        "max_staleness": Param(int, 0, "asynchronous training: the rollout (ops declared stale_ok, i.e. generate) "
+                               "may run up to k steps ahead of the update, with a policy at most k versions older "
+                               "than the one it is trained against; k+1 steps are in flight. 0: on-policy",
+                               minimum=0),
     }
 )
 
@@ -122,6 +126,9 @@ class OpSpec:
     doc: str = ""
     drops: bool = False  # the body may drop rows from training (ctx.drop): the plan lists the ops its drops reach
     streams: bool = False  # the body is a generator that yields its rows in parts as they finish
+    # the op may read its state inputs (weights) up to trainer.max_staleness steps old: the
+    # behaviour policy of an asynchronous run (generate), which then runs ahead of the update
+    stale_ok: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))

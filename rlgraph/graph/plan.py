@@ -107,6 +107,8 @@ class OpPlan(_Frozen):
     concurrent_with: list[str] = Field(description="ops it may overlap with (no dependency, different group)")
     skip_before_step: int = Field(0, description="the op is skipped while step < this")
     drops: bool = Field(False, description="the body may drop rows from training (ctx.drop)")
+    lag: int = Field(0, description="steps by which its state inputs may trail: at step t it reads the state "
+                     "written at step t-1-lag (trainer.max_staleness for a stale_ok op, else 0)")
     streams: bool = Field(False, description="the body yields its rows in parts as they finish; ops downstream "
                           "start on each part")
     downstream: list[str] = Field(

@@ -15,9 +15,10 @@ from __future__ import annotations
 import networkx as nx
 
 from rlgraph.graph.build import BuiltGraph
+from rlgraph.graph.dsl import OpSpec
 from rlgraph.graph.plan import SchedulePlan
 
-__all__ = ["MODES", "mode_of", "schedule", "concurrency"]
+__all__ = ["MODES", "mode_of", "schedule", "concurrency", "staleness"]
 
 MODES = {"sample": "stream", "group": "group", "batch": "barrier"}
 
@@ -28,6 +29,14 @@ def mode_of(granularity: str) -> str:
 
 def _order(d: nx.DiGraph) -> list[str]:
     return list(nx.lexicographical_topological_sort(d))
+
+
+def staleness(g: BuiltGraph, o: OpSpec) -> int:
+    """Steps by which `o`'s state inputs may trail (``OpPlan.lag``): ``trainer.max_staleness`` for an
+    op declared ``stale_ok`` that reads state, else 0. At step t the op reads the state written at
+    step t-1-lag, so the next steps' rollout runs while this one trains (`rlgraph.runtime.window`)."""
+    reads_state = any(t.kind == "state" for t in o.inputs.values())
+    return int(g.config.get("trainer.max_staleness", 0) or 0) if o.stale_ok and reads_state else 0
 
 
 def concurrency(g: BuiltGraph) -> dict[str, list[str]]:

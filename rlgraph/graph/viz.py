@@ -9,7 +9,8 @@ that flows along them. Drawn distinctions:
 - each op's label gives its mode: stream (micro-batches of ready rows), group (complete groups
   of n samples) or barrier;
 - state edges (weights read by the next step) are dashed and do not constrain the layout, so
-  the step still reads top to bottom;
+  the step still reads top to bottom; with ``trainer.max_staleness = k`` the edge into the op
+  that runs ahead (the cross-step edge) is thicker and says it is read up to k steps behind;
 - the critical path is drawn with bold red edges;
 - outputs nobody reads are listed under their op, pruned ones greyed.
 
@@ -159,7 +160,7 @@ def _source_label(plan: Plan, name: str) -> str:
     return "<" + "<BR/>".join(lines) + ">"
 
 
-def _edge_label(plan: Plan, columns: Iterable[str], state: bool) -> str:
+def _edge_label(plan: Plan, columns: Iterable[str], state: bool, lag: int = 0) -> str:
     lines = []
     for c in sorted(columns):
         col = plan.columns.get(c)
@@ -167,7 +168,10 @@ def _edge_label(plan: Plan, columns: Iterable[str], state: bool) -> str:
             lines.append(f'<FONT COLOR="{_PRUNED}">{html.escape(c)} (pruned)</FONT>')
         else:
             lines.append(html.escape(c))
-    if state:
+    if state and lag:
+        # the cross-step edge of asynchronous training: read up to `lag` steps later than the next step
+        lines.append(f"<B><I>(step t+1..t+{lag + 1}: up to {lag} behind)</I></B>")
+    elif state:
         lines.append("<I>(next step)</I>")
     return '<<FONT POINT-SIZE="9">' + "<BR/>".join(lines) + "</FONT>>"
 
@@ -245,11 +249,15 @@ def to_dot(plan: Plan) -> "graphviz.Digraph":
         pairs.setdefault((e.src, e.dst, e.kind), []).append(e.column)
     for (u, v, kind), columns in sorted(pairs.items()):
         attrs = {"tooltip": f"{u} -> {v}: {', '.join(sorted(columns))}"}
+        lag = plan.op(v).lag if kind == "state" else 0
         if kind == "state":
             attrs.update(style="dashed", constraint="false", color=_STATE, fontcolor=_STATE)
+            if lag:  # asynchronous: the reader runs up to `lag` steps ahead of the writer
+                attrs.update(penwidth="2.2", tooltip=f"{attrs['tooltip']} (read up to {lag} step(s) stale: "
+                             f"trainer.max_staleness={lag})")
         elif (u, v) in critical:
             attrs.update(penwidth="2.6", color=_CRITICAL, arrowsize="0.9")
-        dot.edge(u, v, _edge_label(plan, columns, kind == "state"), **attrs)
+        dot.edge(u, v, _edge_label(plan, columns, kind == "state", lag), **attrs)
     return dot
 
 

@@ -24,14 +24,20 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from rlgraph.ops.algos import (agg_loss, entropy_from_logits, kl_loss, logprobs_from_logits, masked_mean,
-                               policy_loss, rollout_probs_diff, truncated_is_weights)
+from rlgraph.errors import InvariantError
+from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, kl_loss, logprobs_from_logits,
+                               masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout import hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.sequences import pack, response_logits, split_rows
 from rlgraph.ops.training import TrainerMixin, kept_rows, section
 
-__all__ = ["ActorWorker"]
+__all__ = ["ActorWorker", "StalenessError"]
+
+
+class StalenessError(InvariantError):
+    """The update was given samples from a policy more than trainer.max_staleness versions older
+    than its own: the runtime's cross-step order is broken (a bug), never silently trained on."""
 
 _ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "cpu_kv_cache_gb", "enforce_eager",
                    "sleep_mode")
@@ -57,7 +63,9 @@ class ActorWorker(TrainerMixin):
         # weights made by any rank of this group are ours: DDP keeps the replicas identical, so
         # only a generation-only group (another name) loads policy_weights
         self.id = ctx.group
-        self.version = -1  # the last policy_weights version loaded from another group
+        self.version = -1  # the step whose update wrote the policy_weights loaded last from another group
+        self.policy_version = 0  # updates these weights have seen (generate's policy_version column)
+        self.max_staleness = int(section(ctx, "trainer").get("max_staleness", 0))
         self.backend = rollout.get("backend", "hf")
         self.rollout_options = {k: rollout[k] for k in _ENGINE_OPTIONS if k in rollout}
         self.rollout_engine: Any = None  # a VLLMEngine, started on the first generate call
@@ -70,13 +78,17 @@ class ActorWorker(TrainerMixin):
         """Load weights produced by an update in another group (a no-op when they are ours)."""
         if not policy_weights or policy_weights.get("owner") == self.id:
             return
-        if int(policy_weights["version"]) > self.version:
+        # the runtime hands each step exactly the weights it must use (rlgraph.runtime.window): with
+        # steps in flight, or after a restore, they may be older than the ones loaded last
+        if int(policy_weights["version"]) != self.version:
             self.model.load_state_dict(policy_weights["state"])
             self.version = int(policy_weights["version"])
+            self.policy_version = int(policy_weights.get("policy_version", self.version + 1))
             self.model_version += 1
 
     def _weights(self, step: int) -> dict[str, Any]:
-        return {"version": step, "owner": self.id, "state": self.model.state_dict()}
+        return {"version": step, "policy_version": self.policy_version, "owner": self.id,
+                "state": self.model.state_dict()}
 
     def _engine_ready(self, rank: int) -> dict[str, float]:
         """Start the vLLM engine if needed, wake it, give it the current weights; what it cost."""
@@ -116,7 +128,7 @@ class ActorWorker(TrainerMixin):
             parts = hf_parts(self.model, self.tokenizer, prompts, ctx.is_padding, micro_batch_size=micro_batch_size,
                              **sampling)
         tokens = n_parts = 0
-        for rows, cols in parts:
+        for rows, cols in self._versioned(parts):
             tokens += sum(len(r) for r, pad in zip(cols["responses"], rows) if not ctx.is_padding[pad])
             n_parts += 1
             yield rows, cols
@@ -124,6 +136,11 @@ class ActorWorker(TrainerMixin):
         metrics.update(generate_s=seconds, parts=float(n_parts), response_tokens_count=float(tokens),
                        tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
         return {"rollout_metrics": metrics}
+
+    def _versioned(self, parts: Iterator[tuple[list[int], dict[str, Any]]]) -> Iterator[tuple[list[int], dict]]:
+        """Each part with its rows' policy_version (the weights that generated them)."""
+        for rows, cols in parts:
+            yield rows, {**cols, "policy_version": torch.full((len(rows),), self.policy_version, dtype=torch.int64)}
 
     # ------------------------------------------------------------------ forward passes
     @torch.no_grad()
@@ -166,11 +183,12 @@ class ActorWorker(TrainerMixin):
     def update_actor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor, old_log_probs: torch.Tensor,
                      advantages: torch.Tensor, ref_log_prob: torch.Tensor | None = None,
-                     rollout_log_probs: torch.Tensor | None = None, *, lr: float,
+                     rollout_log_probs: torch.Tensor | None = None, policy_version: torch.Tensor | None = None, *,
+                     lr: float,
                      weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
                      loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                      entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
-                     tis_cap: float, ctx: Any) -> dict[str, Any]:
+                     tis_cap: float, decoupled_cap: float, ctx: Any) -> dict[str, Any]:
         if self.rollout_engine is not None:
             self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
         prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
@@ -184,8 +202,15 @@ class ActorWorker(TrainerMixin):
                  "old_log_probs": old_log_probs[:, :R], "advantages": advantages[:, :R]}
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
+        staleness = self._staleness(policy_version, ctx)
         if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
+        if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
+            w, keep = decoupled_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), decoupled_cap)
+            kept_before = mask.sum()
+            batch["is_weights"] = w
+            batch["response_mask"] = mask = mask * keep.to(mask.dtype)
+            staleness["behaviour_dropped_frac"] = float(1 - mask.sum() / kept_before) if kept_before > 0 else 0.0
         P, temperature = packed.prompt_width, self.temperature
 
         def loss_fn(model, mb, global_tokens, global_seqs):
@@ -202,8 +227,9 @@ class ActorWorker(TrainerMixin):
             # normalised by the global token count, so it sums instead)
             metrics = {"pg_loss": float(agg_loss(pg.pg_losses.detach(), m, loss_agg_mode)),
                        "pg_clipfrac": float(pg.clipfrac), "ppo_kl": float(pg.approx_kl)}
-            if "is_weights" in mb:
-                metrics["tis_weight_mean"] = float(masked_mean(mb["is_weights"], m))
+            if "is_weights" in mb:  # truncated IS or decoupled PPO's behaviour weights
+                key = "behaviour_weight_mean" if decoupled_cap > 0 else "tis_weight_mean"
+                metrics[key] = float(masked_mean(mb["is_weights"], m))
             if entropy_coeff:
                 ent_mat = entropy_from_logits(logits)
                 loss = loss - entropy_coeff * agg_loss(ent_mat, m, loss_agg_mode, global_tokens, global_seqs)
@@ -218,17 +244,40 @@ class ActorWorker(TrainerMixin):
 
         metrics = self.train(self.model, batch, loss_fn, ctx, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
                              lr_warmup_steps=lr_warmup_steps, backend=backend, zero_stage=zero_stage)
+        metrics = {**metrics, **staleness}
+        self.model.eval()
         self.model_version += 1  # the engine (if any) is given these weights before it generates again
+        self.policy_version += 1
         return {"actor_metrics": metrics, "policy_weights": self._weights(ctx.step)}
+
+    def _staleness(self, policy_version: torch.Tensor | None, ctx: Any) -> dict[str, float]:
+        """How many versions behind this policy the kept samples' generating policy is (mean, max);
+        more than trainer.max_staleness is refused."""
+        if policy_version is None:
+            return {}
+        kept = kept_rows(ctx)[:, 0].bool()
+        lag = (self.policy_version - policy_version.to(torch.int64))[kept]
+        if lag.numel() == 0:
+            return {}
+        worst = int(lag.max())
+        if worst > self.max_staleness or int(lag.min()) < 0:
+            raise StalenessError(
+                f"update_actor at step {ctx.step}: samples generated by policy versions {sorted(set(policy_version[kept].tolist()))}, "
+                f"this policy is version {self.policy_version}; trainer.max_staleness={self.max_staleness} allows "
+                f"{max(self.policy_version - self.max_staleness, 0)}..{self.policy_version}. This is a runtime bug: "
+                f"please report it with the plan file")
+        return {"staleness_mean": float(lag.float().mean()), "staleness_max": float(worst)}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "trainer": self.trainer_state(), "version": self.version}
+        return {"model": self.model.state_dict(), "trainer": self.trainer_state(), "version": self.version,
+                "policy_version": self.policy_version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.load_trainer_state(state.get("trainer"))
         self.version = int(state.get("version", -1))
+        self.policy_version = int(state.get("policy_version", 0))
         self.model_version += 1
 
     def close(self) -> None:

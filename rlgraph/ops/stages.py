@@ -53,6 +53,8 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     "rollout_log_probs": T.float32(R, doc="log-probs of the sampled tokens under the rollout engine (computed when "
                                           "an op reads them)"),
     "rollout_metrics": T.json().metric(),
+    "policy_version": T.int64(doc="updates the generating policy had seen (0: the initial weights); the update "
+                              "trains on it only if at most trainer.max_staleness versions behind its own"),
     # reward
     "token_level_scores": T.float32(R, doc="the score, placed on the last response token"),
     "reward_extra": T.json(doc="extra values returned by the reward function"),
@@ -140,7 +142,7 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
         name="generate",
         inputs=_cols("prompt_ids", "policy_weights"),
         outputs=_cols("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                      "rollout_log_probs", "rollout_metrics"),
+                      "rollout_log_probs", "rollout_metrics", "policy_version"),
         granularity="group",
         group=group,
         config_key="rollout",
@@ -176,6 +178,7 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
         group_size_param="n",
         batching=Batching(micro_batch="micro_batch_size", per_rank=True),
         streams=True,
+        stale_ok=True,  # the behaviour policy: with trainer.max_staleness=k it runs up to k steps ahead
         validate=_validate_generate,
         cost=5.0,
         doc="Generate n responses per prompt, streaming each finished group; weights are synced from update_actor "
@@ -452,15 +455,27 @@ def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> lis
     if params.get("use_kl_loss") and "ref_log_prob" not in connected:
         out.append(Problem("op-config", "actor.use_kl_loss=true needs column 'ref_log_prob', which no op produces",
                            "add stages.ref() to the pipeline, or set actor.use_kl_loss=false", column="ref_log_prob"))
-    if params.get("tis_cap") and "rollout_log_probs" not in connected:
-        out.append(Problem("op-config", "actor.tis_cap > 0 needs column 'rollout_log_probs', which no op produces",
-                           "generate with stages.generate(), or set actor.tis_cap=0", column="rollout_log_probs"))
+    for key in ("tis_cap", "decoupled_cap"):
+        if params.get(key) and "rollout_log_probs" not in connected:
+            out.append(Problem("op-config", f"actor.{key} > 0 needs column 'rollout_log_probs', which no op produces",
+                               f"generate with stages.generate(), or set actor.{key}=0", column="rollout_log_probs"))
+    if params.get("tis_cap") and params.get("decoupled_cap"):
+        out.append(Problem("op-config", "actor.tis_cap and actor.decoupled_cap are both set; they are two "
+                           "corrections of the same mismatch (truncated importance sampling, decoupled PPO)",
+                           "choose one: set actor.tis_cap=0 or actor.decoupled_cap=0"))
+    dc = params.get("decoupled_cap")
+    if dc and dc <= 1.0:
+        out.append(Problem("op-config", f"actor.decoupled_cap={dc} would drop every token whose behaviour weight "
+                           "is above it, including on-policy ones (weight 1)", "set actor.decoupled_cap > 1 "
+                           "(AReaL uses 5), or 0 for off"))
     return out
 
 
 def _actor_uses(params: Mapping[str, Any]) -> set[str]:
-    used = {"ref_log_prob"} if params.get("use_kl_loss") else set()
-    if params.get("tis_cap"):
+    used = {"policy_version"}  # staleness metrics, and the guard against training on too old samples
+    if params.get("use_kl_loss"):
+        used.add("ref_log_prob")
+    if params.get("tis_cap") or params.get("decoupled_cap"):
         used.add("rollout_log_probs")
     return used
 
@@ -470,12 +485,12 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
     return OpSpec(
         name="update_actor",
         inputs=_cols(*_MODEL_INPUTS, "response_mask", "old_log_probs", "advantages", "ref_log_prob",
-                     "rollout_log_probs"),
+                     "rollout_log_probs", "policy_version"),
         outputs=_cols("actor_metrics", "policy_weights"),
         granularity="batch",
         group=group,
         config_key="actor",
-        optional_inputs={"ref_log_prob", "rollout_log_probs"},
+        optional_inputs={"ref_log_prob", "rollout_log_probs", "policy_version"},
         params=_update_params(1e-6, {
             "clip_ratio_low": Param(float, 0.2, "PPO clip below 1 (eps_low)", minimum=0.0),
             "clip_ratio_high": Param(float, 0.2, "PPO clip above 1 (eps_high)", minimum=0.0),
@@ -487,6 +502,10 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
             "tis_cap": Param(float, 0.0, "truncated importance sampling against the rollout engine: weight each "
                              "token's policy loss by min(exp(old_log_probs - rollout_log_probs), tis_cap); 0: off",
                              minimum=0.0),
+            "decoupled_cap": Param(float, 0.0, "decoupled PPO (AReaL) for off-policy samples: clip the ratio against "
+                                   "old_log_probs (the proximal policy, recomputed by the current one) and weight "
+                                   "each token by exp(old_log_probs - rollout_log_probs), dropping tokens whose "
+                                   "weight exceeds this cap (> 1; AReaL uses 5); 0: off", minimum=0.0),
         }),
         impl="rlgraph.ops.actor:ActorWorker.update_actor",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),

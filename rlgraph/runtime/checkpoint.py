@@ -32,7 +32,8 @@ from rlgraph.errors import RLGraphError
 from rlgraph.graph.plan import Plan
 
 __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
-           "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "RESUMABLE_KEYS"]
+           "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
+           "RESUMABLE_KEYS"]
 
 CHECKPOINT_FORMAT = "rlgraph.checkpoint.v1"
 _TENSOR = "__tensor__"
@@ -196,6 +197,11 @@ def read_checkpoint(ckpt: Path, names: Iterable[str]) -> tuple[int, dict[str, An
     """The step of checkpoint `ckpt` and its states `names` (each checked, JSON and safetensors only)."""
     step = checkpoint_step(ckpt)
     return step, {name: load_state(ckpt, name) for name in names}
+
+
+def has_state(ckpt: Path, name: str) -> bool:
+    """Whether checkpoint `ckpt` holds state `name` (older checkpoints lack newer entries)."""
+    return (Path(ckpt) / f"{name}.json").exists()
 
 
 def checkpoint_step(ckpt: Path) -> int:

@@ -249,20 +249,16 @@ class Fleet:
                         f"the data source to write partition {partition!r}")[0]
 
     # ------------------------------------------------------------------ state
-    def sync_state(self, produced_by: set[str]) -> None:
-        """Move state columns written this step by the ops `produced_by` from their producer's
-        group to consumer groups elsewhere, and to the producer group's other ranks."""
-        calls = []
-        for name, col in self.plan.columns.items():
-            if col.kind != "state" or col.producer not in produced_by:
-                continue
-            src_group = self.plan.op(col.producer).group
-            ref = self.workers[src_group][0].export_state.remote(name)  # a reference: no bytes via the driver
-            for g in sorted({self.plan.op(c).group for c in col.consumers} - {src_group}):
-                calls += [w.import_state.remote(name, ref) for w in self.workers[g]]
-            calls += [w.import_state.remote(name, ref) for w in self.workers[src_group][1:]]
-        if calls:
-            self.get(calls, "the weight sync (state columns to their consumers)")
+    def export_state(self, group: str, column: str) -> Any:
+        """A reference to state column `column` as rank 0 of `group` holds it once its calls so far
+        are done (Ray runs an actor's calls in order); the value never passes through the driver."""
+        return self.workers[group][0].export_state.remote(column)
+
+    def import_state(self, group: str, column: str, ref: Any) -> list[Any]:
+        """Give the ranks of `group` the state column value `ref` (every rank, or ranks 1.. of the
+        group that wrote it: rank 0's value is the one all read); returns the calls to wait on."""
+        first = 1 if self.plan.op(self.plan.columns[column].producer).group == group else 0
+        return [w.import_state.remote(column, ref) for w in self.workers[group][first:]]
 
     def state_names(self) -> list[str]:
         """The names of the states a checkpoint holds: ``<group>_<rank>`` per worker, and the source."""

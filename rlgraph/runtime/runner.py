@@ -8,9 +8,15 @@ One step (docs/runtime.md):
    (`rlgraph.runtime.fleet`) runs them on the workers, each result goes back to the scheduler
    and into the step's record; workers read and write columns themselves, the driver sees row
    ids and small results;
-3. state columns (weights) produced in one group and read in another are synced through Ray;
+3. state columns (weights) written in one group are moved through Ray to the groups that read
+   them, each read seeing the version `rlgraph.runtime.window` assigns it;
 4. metrics, trace and timeline are written, the partition is cleared; checkpoints
    (`rlgraph.runtime.checkpoint`) and validation run every k steps.
+
+With ``trainer.max_staleness = k`` the same event loop keeps up to k+1 steps in flight: step
+t+1's prompts are generated while step t is scored and trained. `rlgraph.runtime.window` orders
+the steps so that every read of a state column sees a version fixed by the plan, never by timing;
+validation and checkpoint steps drain the window (nothing of a later step runs before they end).
 
 Every wait has a timeout naming what it waited for. Failures are repaired at most
 ``trainer.max_retries`` times per step, as `repair_for` decides: a call that changes no state
@@ -30,16 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlgraph.errors import RLGraphError, StepTimeout, WorkerDiedError
+from rlgraph.errors import InvariantError, RLGraphError, StepTimeout, WorkerDiedError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.checkpoint import check_compatible, checkpoint_step, latest_checkpoint, read_checkpoint, \
-    write_checkpoint
+from rlgraph.runtime.checkpoint import check_compatible, checkpoint_step, has_state, latest_checkpoint, \
+    read_checkpoint, write_checkpoint
 from rlgraph.runtime.fleet import SOURCE, Fleet
 from rlgraph.runtime.metrics import MetricsWriter, step_metrics, write_curve_svg
 from rlgraph.runtime.progress import Reporter
-from rlgraph.runtime.scheduler import Call, Repair, StepScheduler, repair_for
+from rlgraph.runtime.scheduler import Call, Repair, Slots, StepScheduler, repair_for
 from rlgraph.runtime.trace import Span, write_chrome_trace, write_timeline_svg
+from rlgraph.runtime.window import Window
 from rlgraph.runtime.worker import PartResult
 
 __all__ = ["Fault", "RunOptions", "Runner", "StepTimeout", "WorkerDiedError", "run_plan", "prepare"]
@@ -100,6 +107,25 @@ class _Record:
     batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data columns, for later calls
     result_bytes: int = 0
     restarts: int = 0  # worker actors restarted
+    sync_s: float = 0.0  # waiting for state columns (weights) to reach the groups that read them
+
+
+@dataclass
+class _Live:
+    """A step in flight: its partition, scheduler and record."""
+
+    key: float  # its key in the window: the step, or step + 0.5 for the validation after it
+    step: int
+    partition: str
+    sched: StepScheduler
+    is_padding: list[bool]
+    t0: float
+    bytes0: int
+    rec: _Record = field(default_factory=_Record)
+
+    @property
+    def training(self) -> bool:
+        return self.key == self.step
 
 
 class Runner:
@@ -114,6 +140,7 @@ class Runner:
         self.schedule = options.schedule or trainer.get("schedule", "stream")
         self.val_every = int(trainer.get("val_every", 0))
         self.save_every = int(trainer.get("save_every", 0))
+        self.depth = int(trainer.get("max_staleness", 0)) + 1  # steps in flight
         self.max_retries = int(options.max_retries if options.max_retries is not None
                                else trainer.get("max_retries", 2))
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started)
@@ -124,9 +151,16 @@ class Runner:
         self._attempts: dict[int, int] = {}  # step -> failures so far
         self._records: dict[int, dict[str, Any]] = {}
         self._run_start = 0
+        self._next = 0  # the first step whose record has not been written (earlier ones are replays)
+        self.window: Window | None = None  # made once the fleet knows which groups keep state
+        self._slots = Slots(plan)
+        self._kept: dict[tuple[str, int], Any] = {}  # (state column, producer step) -> its value in Ray
+        self._syncing: dict[tuple[str, str], list[Any]] = {}  # (column, group) -> [version, calls left, t0]
+        self._last_end: dict[str, float] = {}  # group -> end of its latest call in the steps done
 
     def __enter__(self) -> Runner:
         self.fleet.__enter__()
+        self.window = Window(self.plan, self.fleet.stateful)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -134,6 +168,7 @@ class Runner:
 
     def start(self) -> None:
         self.fleet.start()
+        self.window = Window(self.plan, self.fleet.stateful)
 
     def close(self) -> None:
         self.fleet.close()
@@ -152,38 +187,57 @@ class Runner:
                 check_compatible(ckpt, self.plan)
                 start_step = self._restore(ckpt) + 1
         writer = MetricsWriter(out / "metrics.jsonl", resume_after=start_step - 1 if self.opts.resume else None)
-        records = []
+        records: list[dict[str, Any]] = []
         self.reporter.start(self.steps, start_step, self.headline)
-        self._run_start = start_step
+        self._run_start = self._next = start_step
         try:
-            step, pending = start_step, None
-            while step < self.steps:
+            first, pending = start_step, None
+            while self._next < self.steps:
                 try:
                     if pending is not None:
-                        self._recover(step, out, pending)
+                        first = self._recover(self._next, out, pending)
                         pending = None
-                    record = self.step(step)
+                    self._drive(first, self.steps, lambda lv, m: self._step_done(lv, m, out, writer, records))
                 except _Restore as r:  # counted where it was raised
                     pending = r
-                    continue
                 except ray.exceptions.RayActorError as e:  # an actor died outside an op call
-                    self._count_failure(step, e)
+                    self._abandon()
+                    self._count_failure(self._next, e)
                     pending = _Restore(e, set())
-                    continue
-                record["faults/retries"] = self._attempts.get(step, 0)
-                if self.val_every and (step + 1) % self.val_every == 0:
-                    record.update(self.validate(step))
-                writer.write(record)
-                records.append(record)
-                self._records[step] = record
-                self.reporter.step_done(record)
-                if self.save_every and (step + 1) % self.save_every == 0:
-                    write_checkpoint(out, step, self.fleet.states(), self.plan)
-                step += 1
         finally:
             self.reporter.close()
             self._write_outputs(out)
         return records
+
+    def _step_done(self, lv: _Live, record: dict[str, Any], out: Path, writer: MetricsWriter,
+                   records: list[dict[str, Any]]) -> None:
+        """A training step finished (steps finish in order): write it, or check a replayed one."""
+        step = lv.step
+        if step < self._next:  # replayed after a restore: same seeds, same data, same state
+            before = self._records.get(step, {})
+            changed = [k for k in self.headline if k in before and record.get(k) != before[k]]
+            if changed:
+                warnings.warn(f"replayed step {step} gave {changed[0]}={record.get(changed[0])}, the first run "
+                              f"{before[changed[0]]}: the ops are not deterministic", stacklevel=2)
+            return
+        self.all_spans += lv.rec.spans
+        record["faults/retries"] = self._attempts.get(step, 0)
+        if self.val_every and (step + 1) % self.val_every == 0:
+            record.update(self.validate(step))
+        writer.write(record)
+        records.append(record)
+        self._records[step] = record
+        self.reporter.step_done(record)
+        if self.save_every and (step + 1) % self.save_every == 0:
+            write_checkpoint(out, step, self._checkpoint_states(), self.plan)
+        self._next = step + 1
+
+    def _drains(self, step: int) -> bool:
+        """Whether nothing of a later step may start before `step` ends (validation, checkpoint)."""
+        if step < self._next:
+            return False
+        return bool((self.val_every and (step + 1) % self.val_every == 0)
+                    or (self.save_every and (step + 1) % self.save_every == 0))
 
     def _write_outputs(self, out: Path) -> None:
         if self.headline:
@@ -191,106 +245,178 @@ class Runner:
             write_curve_svg(out / "reward_curve.svg", all_records, key=self.headline[0],
                             title=f"{self.plan.pipeline}: {self.headline[0]} per step")
         if self.all_spans:
+            ahead = f", up to {self.depth} steps in flight" if self.depth > 1 else ""
             write_chrome_trace(self.all_spans, out / "trace.json")
             write_timeline_svg(self.all_spans, out / "timeline.svg", title=f"{self.plan.pipeline}: {self.schedule} "
-                               f"schedule")
+                               f"schedule{ahead}")
 
     def validate(self, step: int) -> dict[str, Any]:
-        """Run the ops that produce the validation columns on the validation split; ``val/...`` metrics."""
+        """Run the ops that produce the validation columns on the validation split, with the weights
+        written at `step`; ``val/...`` metrics."""
         if not self.plan.validation.ops:
             return {}
-        m = self.step(step, partition=f"val_{step}", ops=set(self.plan.validation.ops))
+        results: list[dict[str, Any]] = []
+        lv = self._admit(step, key=step + 0.5, partition=f"val_{step}", ops=set(self.plan.validation.ops))
+        self._events({lv.key: lv}, lambda live: None, lambda done, m: results.append(m))
+        self.all_spans += lv.rec.spans  # validation calls show in the trace and timeline too
         names = set(self.plan.summaries.values())
-        return {f"val/{k}": v for k, v in m.items() if k.split("/")[0] in names}
+        return {f"val/{k}": v for k, v in results[0].items() if k.split("/")[0] in names}
 
-    # ------------------------------------------------------------------ one step
     def step(self, step: int, partition: str | None = None, ops: set[str] | None = None) -> dict[str, Any]:
-        """Run one step (all ops, or only `ops`) on its own partition; returns its metrics."""
+        """Run one step (all ops, or only `ops`) on its own partition, alone; returns its metrics."""
+        results: list[dict[str, Any]] = []
+        self.window.first = step
+        lv = self._admit(step, partition=partition, ops=ops)
+        self._events({lv.key: lv}, lambda live: None, lambda done, m: results.append(m))
+        return results[0]
+
+    # ------------------------------------------------------------------ steps in flight
+    def _drive(self, first: int, stop: int, on_done: Any) -> None:
+        """Run steps `first` .. `stop`-1, up to `depth` in flight; `on_done(live, metrics)` in step order."""
+        self.window.first = first
+        state = {"next": first}
+
+        def admit_more(live: dict[float, _Live]) -> None:
+            while (state["next"] < stop and len(live) < self.depth
+                   and not any(self._drains(lv.step) for lv in live.values())):
+                lv = self._admit(state["next"])
+                live[lv.key] = lv
+                state["next"] += 1
+
+        self._events({}, admit_more, on_done)
+
+    def _admit(self, step: int, key: float | None = None, partition: str | None = None,
+               ops: set[str] | None = None) -> _Live:
+        """Create step `step`'s partition, have the source fill it, and put its scheduler in the window."""
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
+        key = step if key is None else key
         # a retried step gets a fresh partition: calls abandoned by the failed attempt may still write
         partition = partition or f"train_{step}" + (f"_retry{self._attempts[step]}" if self._attempts.get(step) else "")
         b = self.plan.batch
         rows = b.padded_batch_warmup if step < b.critic_warmup else b.padded_batch
-        t0 = time.time()
-        bytes0 = payload_bytes_in_this_process()
+        t0, bytes0 = time.time(), payload_bytes_in_this_process()
         self.fleet.plane.create_partition(partition, rows)
         try:
             uids, is_padding = self.fleet.produce(partition, rows, step * rows, partition.startswith("val"))
-            sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, ops)
-            self.reporter.step_started(step, sched.chunk_counts())
-            rec = self._run_calls(sched, step, partition)
-            t_sync = time.time()
-            if ops is None:
-                self.fleet.sync_state({name for name, st in sched.ops.items() if not st.skipped})
-            t_sync = time.time() - t_sync
-        finally:
+        except BaseException:
             self.fleet.plane.clear(partition)
-        self.all_spans += rec.spans
+            raise
+        training = key == step
+        sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, ops, slots=self._slots,
+                              gated=self.window.gated_ops(reads_fixed=not training))
+        self.window.admit(key, sched, reads=None if training else step)
+        if training:
+            self.reporter.step_started(step, sched.chunk_counts())
+        return _Live(key, step, partition, sched, list(is_padding), t0, bytes0)
+
+    def _events(self, live: dict[float, _Live], admit_more: Any, on_done: Any) -> None:
+        """The event loop: admit steps, open the cross-step gates, hand out calls, take results in,
+        and finish steps in order. A failure that needs a restore abandons every step in flight."""
+        import ray
+
+        inflight: dict[Any, Any] = {}  # waitable -> (step key, Call), or ("sync", column, group)
+        try:
+            while True:
+                admit_more(live)
+                self._open_gates(live, inflight)
+                for key in sorted(live):  # the oldest step first
+                    for call in live[key].sched.next_calls():
+                        self._submit(call, live[key], inflight)
+                finished = list(self.window.pop_done())
+                for key in finished:
+                    lv = live.pop(key)
+                    if lv.training:  # weight versions no step from here on reads
+                        for kept in self.window.prunable(lv.step + 1):
+                            self._kept.pop(kept, None)
+                    on_done(lv, self._metrics(lv))
+                if finished:
+                    continue
+                if not live:
+                    return
+                if not inflight:
+                    raise StepTimeout(f"steps {sorted(lv.step for lv in live.values())} cannot make progress: "
+                                      f"nothing is running and nothing is ready; pending: "
+                                      f"{ {lv.step: lv.sched.unfinished() for lv in live.values()} }")
+                done = self.fleet.wait(list(inflight))
+                if not done:
+                    running = sorted({f"step {k[0]}: {k[1].chunk.op}[{k[1].chunk.index}] on {k[1].group}[{k[1].rank}]"
+                                      if k[0] != "sync" else f"weight sync of {k[1]!r} to {k[2]!r}"
+                                      for k in inflight.values()})
+                    raise StepTimeout(f"no op call finished within {self.opts.timeout_s:g}s; running: {running}; "
+                                      f"pending: { {lv.step: lv.sched.unfinished() for lv in live.values()} }")
+                for waitable in done:
+                    what = inflight.pop(waitable)
+                    if what[0] == "sync":
+                        self._synced(waitable, what[1], what[2], live)
+                        continue
+                    lv, call = live[what[0]], what[1]
+                    try:
+                        result = self.fleet.result(waitable, f"{call.chunk.op} on {call.group}[{call.rank}]")
+                    except (RLGraphError, ray.exceptions.RayError) as e:
+                        if isinstance(e, StepTimeout):
+                            raise
+                        self._repair(lv, e, call, inflight, live)
+                        continue
+                    if isinstance(result, PartResult):  # a streaming call's part: its rows are ready now
+                        lv.rec.result_bytes += len(pickle.dumps(result))
+                        self._take_summaries(result.summaries, lv.rec)
+                        lv.sched.rows_done(call.chunk.op, result.rows)
+                        inflight[waitable] = what
+                        continue
+                    self._finish(call, result, lv)
+        except BaseException:
+            for lv in live.values():
+                self.fleet.plane.clear(lv.partition)
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Forget every step in flight (their calls may still run; their partitions are gone)."""
+        self.window.clear()
+        self._slots = Slots(self.plan)
+        self._syncing.clear()
+
+    def _metrics(self, lv: _Live) -> dict[str, Any]:
+        """A finished step's metrics record; clears its partition."""
+        from rlgraph.runtime.dataplane import payload_bytes_in_this_process
+
+        self.fleet.plane.clear(lv.partition)
+        sched, rec, is_padding = lv.sched, lv.rec, lv.is_padding
         real = sum(1 for p in is_padding if not p)
         summaries = {c: [v for r, v in sorted(vals.items()) if r not in sched.dropped]
                      for c, vals in rec.summaries.items()}
         reasons: dict[str, int] = {}
         for reason, _ in sched.dropped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
-        m = step_metrics(step, summaries=summaries, names=self.plan.summaries, op_metrics=rec.op_metrics,
-                         spans=rec.spans, wall_s=time.time() - t0, real_rows=real, pad_rows=len(is_padding) - real,
-                         dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - bytes0,
+        m = step_metrics(lv.step, summaries=summaries, names=self.plan.summaries, op_metrics=rec.op_metrics,
+                         spans=rec.spans, wall_s=time.time() - lv.t0, real_rows=real, pad_rows=len(is_padding) - real,
+                         dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - lv.bytes0,
                          driver_result_bytes=rec.result_bytes, schedule=self.schedule)
         m["faults/restarts"] = rec.restarts
-        m["timing/state_sync_s"] = t_sync  # state columns (weights) moved between groups after the step
+        m["timing/state_sync_s"] = rec.sync_s  # waiting for weights to reach the groups that read them
+        if lv.training:
+            # how long each group sat idle before this step's first call on it (waiting for its inputs,
+            # for weights or for the previous step): the rollout's idle time is what running ahead removes
+            for group in sorted({s.group for s in rec.spans}):
+                mine = [s for s in rec.spans if s.group == group]
+                if group in self._last_end:
+                    m[f"timing/idle/{group}_s"] = max(0.0, min(s.start for s in mine) - self._last_end[group])
+                self._last_end[group] = max([self._last_end.get(group, 0.0), *(s.end for s in mine)])
         return m
 
-    def _run_calls(self, sched: StepScheduler, step: int, partition: str) -> _Record:
-        """The event loop of one step: calls out as the scheduler releases them, completions in."""
-        import ray
-
-        rec = _Record()
-        inflight: dict[Any, Call] = {}
-        submit = lambda call: self._submit(call, sched, step, partition, rec, inflight)  # noqa: E731
-        while not sched.finished:
-            for call in sched.next_calls():
-                submit(call)
-            if sched.finished:
-                break
-            if not inflight:
-                raise StepTimeout(f"step {step} cannot make progress: nothing is running and nothing is ready; "
-                                  f"pending: {sched.unfinished()}")
-            done = self.fleet.wait(list(inflight))
-            if not done:
-                running = sorted({f"{c.chunk.op}[{c.chunk.index}] on {c.group}[{c.rank}]" for c in inflight.values()})
-                raise StepTimeout(f"step {step}: no op call finished within {self.opts.timeout_s:g}s; running: "
-                                  f"{running}; pending: {sched.unfinished()}")
-            for waitable in done:
-                call = inflight.pop(waitable)
-                try:
-                    result = self.fleet.result(waitable, f"{call.chunk.op} on {call.group}[{call.rank}]")
-                except (RLGraphError, ray.exceptions.RayError) as e:
-                    if isinstance(e, StepTimeout):
-                        raise
-                    self._repair(step, e, call, inflight, submit, rec)
-                    continue
-                if isinstance(result, PartResult):  # a streaming call's part: its rows are ready now
-                    rec.result_bytes += len(pickle.dumps(result))
-                    self._take_summaries(result.summaries, rec)
-                    sched.rows_done(call.chunk.op, result.rows)
-                    inflight[waitable] = call
-                    continue
-                self._finish(call, result, sched, rec)
-                if sched.call_done(call):
-                    self.reporter.chunk_done(step, call.chunk.op)
-        return rec
-
-    def _submit(self, call: Call, sched: StepScheduler, step: int, partition: str, rec: _Record,
-                inflight: dict[Any, Call]) -> None:
+    # ------------------------------------------------------------------ calls
+    def _submit(self, call: Call, lv: _Live, inflight: dict[Any, Any]) -> None:
         op = self.plan.op(call.chunk.op)
-        batch_inputs = {c: rec.batch_values[c] for c in op.inputs if c in rec.batch_values}
-        fault = self._take_fault(call.chunk.op, step, call.chunk.index, call.rank)
-        ref = self.fleet.submit(call, step, partition, sched.uids, sched.tags(op.name, call.rows), batch_inputs, fault)
-        inflight[ref] = call
+        batch_inputs = {c: lv.rec.batch_values[c] for c in op.inputs if c in lv.rec.batch_values}
+        fault = self._take_fault(call.chunk.op, lv.step, call.chunk.index, call.rank) if lv.training else None
+        ref = self.fleet.submit(call, lv.step, lv.partition, lv.sched.uids, lv.sched.tags(op.name, call.rows),
+                                batch_inputs, fault)
+        inflight[ref] = (lv.key, call)
 
-    def _finish(self, call: Call, result: Any, sched: StepScheduler, rec: _Record) -> None:
+    def _finish(self, call: Call, result: Any, lv: _Live) -> None:
         """Take in a call's small result: span, per-row summaries, drops, metrics, batch values."""
+        rec, sched = lv.rec, lv.sched
         rec.result_bytes += len(pickle.dumps(result))
         rec.spans.append(result.span)
         self._take_summaries(result.summaries, rec)
@@ -299,11 +425,68 @@ class Runner:
         if result.metrics:
             rec.op_metrics.setdefault(call.chunk.op, []).append(result.metrics)
         rec.batch_values.update(result.batch_values)
+        if sched.call_done(call):
+            if lv.training:
+                self.reporter.chunk_done(lv.step, call.chunk.op)
+            if lv.training and sched.op_finished(call.chunk.op):
+                self._produced(call.chunk.op, lv.step)
 
     @staticmethod
     def _take_summaries(summaries: dict[str, dict[int, float]], rec: _Record) -> None:
         for col, vals in summaries.items():
             rec.summaries.setdefault(col, {}).update(vals)
+
+    # ------------------------------------------------------------------ state columns across steps
+    def _produced(self, op: str, step: int) -> None:
+        """`op` finished `step`: keep (a reference to) each state column it wrote that another group
+        reads, for the steps that will read it (a group reading its own columns needs no copy)."""
+        group = self.plan.op(op).group
+        for col in self.window.produced(op, step):
+            if col in self.window.crossing:
+                self._kept[(col, step)] = self.fleet.export_state(group, col)
+
+    def _open_gates(self, live: dict[float, _Live], inflight: dict[Any, Any]) -> None:
+        """Open the ops whose cross-step conditions hold; start the weight syncs they wait for."""
+        again = True
+        while again:
+            again = False
+            for gate in self.window.gates():
+                if gate.sync is None:
+                    live[gate.step].sched.open(gate.op)
+                    continue
+                col, group, version = gate.sync
+                if (col, group) in self._syncing:
+                    continue
+                if version is None:  # back to the initial weights (after a restore): a fresh group has them
+                    live[gate.step].rec.restarts += self.fleet.restart([group])
+                    self.window.holds_initial(group)
+                    again = True  # its gates may open now
+                    continue
+                calls = self.fleet.import_state(group, col, self._kept[(col, version)])
+                self._syncing[(col, group)] = [version, len(calls), time.time(), gate.step]
+                for ref in calls:
+                    inflight[ref] = ("sync", col, group)
+
+    def _synced(self, waitable: Any, col: str, group: str, live: dict[float, _Live]) -> None:
+        self.fleet.get([waitable], f"the weight sync of {col!r} to worker group {group!r}")
+        entry = self._syncing[(col, group)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._syncing[(col, group)]
+            self.window.holds(col, group, entry[0])
+            if entry[3] in live:
+                live[entry[3]].rec.sync_s += time.time() - entry[2]
+
+    def _checkpoint_states(self) -> dict[str, Any]:
+        """Every actor's state, plus the state-column values steps after this one will still read."""
+        states = self.fleet.states()
+        kept = {c: steps for c, steps in self.window.kept.items() if steps and c in self.window.crossing}
+        latest = {c: steps[-1] for c, steps in kept.items()}
+        older = {c: dict(zip(map(str, steps[:-1]), self.fleet.get([self._kept[(c, s)] for s in steps[:-1]],
+                                                                   f"older versions of {c!r} for the checkpoint")))
+                 for c, steps in kept.items() if len(steps) > 1}
+        states[_VERSIONS] = {"latest": {c: s for c, s in latest.items()}, "older": older}
+        return states
 
     # ------------------------------------------------------------------ failures
     def _take_fault(self, op: str, step: int, chunk: int, rank: int) -> str | None:
@@ -323,11 +506,14 @@ class Runner:
                 raise type(e)(msg) from None
             raise RLGraphError(f"{type(e).__name__}: {msg}") from None
 
-    def _repair(self, step: int, e: BaseException, call: Call, inflight: dict[Any, Call], submit: Any,
-                rec: _Record) -> None:
-        """A call failed: mend it as `repair_for` says, or abort the step for a restore."""
+    def _repair(self, lv: _Live, e: BaseException, call: Call, inflight: dict[Any, Any],
+                live: dict[float, _Live]) -> None:
+        """A call failed: mend it as `repair_for` says, or abort the steps in flight for a restore."""
         import ray
 
+        step = lv.step
+        if isinstance(e, InvariantError):  # a bug, not a transient failure: retrying cannot help
+            raise e
         died = isinstance(e, ray.exceptions.RayActorError)
         if died:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -338,16 +524,18 @@ class Runner:
         action = repair_for(self.plan, call.chunk.op, died, self.fleet.stateful[call.group])
         if action is Repair.RESTORE:
             raise _Restore(e, {call.group} if died else set())
-        lost = [call]
-        if action is Repair.RESTART_GROUP:  # then run again what the group had in flight
-            lost += [inflight.pop(ref) for ref in [r for r, c in inflight.items() if c.group == call.group]]
-            rec.restarts += self.fleet.restart([call.group])
-        for c in lost:
-            submit(c)
+        lost = [(lv, call)]
+        if action is Repair.RESTART_GROUP:  # then run again what the group had in flight, of every step
+            for ref in [r for r, w in inflight.items() if w[0] != "sync" and w[1].group == call.group]:
+                key, c = inflight.pop(ref)
+                lost.append((live[key], c))
+            lv.rec.restarts += self.fleet.restart([call.group])
+        for owner, c in lost:
+            self._submit(c, owner, inflight)
 
-    def _recover(self, step: int, out: Path, r: _Restore) -> None:
-        """Restore every worker and the source to the latest checkpoint (or the initial state) and
-        replay the steps since then, so that `step` can run again as if nothing had happened."""
+    def _recover(self, step: int, out: Path, r: _Restore) -> int:
+        """Restore every worker and the source to the latest checkpoint (or the initial state);
+        returns the first step to run again (the steps before `step` are replayed, not written)."""
         dead = self.fleet.dead() | r.dead
         ckpt = latest_checkpoint(out)
         if ckpt is not None and checkpoint_step(ckpt) >= step:  # written by a later attempt: not ours
@@ -356,27 +544,45 @@ class Runner:
         self.fleet.restart(list(self.fleet.workers) if ckpt is None else [g for g in dead if g in self.fleet.workers])
         if SOURCE in dead:
             self.fleet.restart_source()
+        self._last_end.clear()
         if ckpt is not None:
-            replay_from = self._restore(ckpt) + 1
-        else:
-            if self._run_start != 0:
-                raise RLGraphError(f"step {step} failed ({r.cause}) and there is no checkpoint to restore "
-                                   f"from in {out}; set trainer.save_every to make runs recoverable")
-            self.fleet.rewind_source()
-            replay_from = 0
-        spans = len(self.all_spans)
-        for s in range(replay_from, step):  # same seeds, same data: the same state as before the failure
-            again, before = self.step(s), self._records.get(s, {})
-            changed = [k for k in self.headline if k in before and again.get(k) != before[k]]
-            if changed:
-                warnings.warn(f"replayed step {s} gave {changed[0]}={again.get(changed[0])}, the first run "
-                              f"{before[changed[0]]}: the ops are not deterministic", stacklevel=2)
-        del self.all_spans[spans:]
+            return self._restore(ckpt) + 1
+        if self._run_start != 0:
+            raise RLGraphError(f"step {step} failed ({r.cause}) and there is no checkpoint to restore "
+                               f"from in {out}; set trainer.save_every to make runs recoverable")
+        self.fleet.rewind_source()
+        self._kept.clear()
+        for steps in self.window.kept.values():
+            steps.clear()
+        self.window.reset_held(initial=True)
+        return 0
 
     def _restore(self, ckpt: Path) -> int:
-        step, states = read_checkpoint(ckpt, self.fleet.state_names())
-        self.fleet.load_states(states, f"restoring checkpoint {ckpt}")
+        """Load checkpoint `ckpt` into the actors and the kept state-column values; returns its step."""
+        import ray
+
+        names = self.fleet.state_names()
+        step, states = read_checkpoint(ckpt, names + ([_VERSIONS] if has_state(ckpt, _VERSIONS) else []))
+        self.fleet.load_states({k: v for k, v in states.items() if k != _VERSIONS}, f"restoring checkpoint {ckpt}")
+        versions = states.get(_VERSIONS, {"latest": {}, "older": {}})
+        self._kept.clear()
+        for c, steps in self.window.kept.items():
+            steps.clear()
+            if c not in self.window.crossing:
+                continue
+            for s, value in sorted(versions["older"].get(c, {}).items(), key=lambda kv: int(kv[0])):
+                steps.append(int(s))
+                self._kept[(c, int(s))] = ray.put(value)
+            if c in versions["latest"]:  # the producer's own copy, in its group's rank 0 state
+                s = int(versions["latest"][c])
+                steps.append(s)
+                producer = self.plan.op(self.plan.columns[c].producer).group
+                self._kept[(c, s)] = ray.put(states[f"{producer}_0"]["columns"][c])
+        self.window.reset_held(initial=False)  # the groups hold what the checkpoint had: sync before reading
         return step
+
+
+_VERSIONS = "state_versions"  # the checkpoint entry holding the kept state-column values
 
 
 def prepare(plan: Plan) -> None:

@@ -42,7 +42,7 @@ from typing import Sequence
 
 from rlgraph.graph.plan import OpPlan, Plan
 
-__all__ = ["Chunk", "Call", "Repair", "StepScheduler", "make_chunks", "repair_for"]
+__all__ = ["Chunk", "Call", "Repair", "Slots", "StepScheduler", "make_chunks", "repair_for"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,24 @@ def repair_for(plan: Plan, op_name: str, died: bool, stateful: bool) -> Repair:
     return Repair.RESTORE if changes_state else Repair.RERUN
 
 
+class Slots:
+    """Which bundles of each pool are running a call. One `Slots` is shared by the schedulers of
+    all steps in flight, so that two steps never put two calls on one bundle."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.busy: set[tuple[str, int]] = set()  # (pool, bundle index)
+        self.used = {p.name: 0 for p in plan.pools}
+        self.size = {p.name: len(p.bundles) for p in plan.pools}
+
+    def take(self, pool: str, rank: int) -> None:
+        self.busy.add((pool, rank))
+        self.used[pool] += 1
+
+    def free(self, pool: str, rank: int) -> None:
+        self.busy.discard((pool, rank))
+        self.used[pool] -= 1
+
+
 class _Op:
     """Per-op state of one step."""
 
@@ -136,11 +154,15 @@ class StepScheduler:
     """One step's op calls: what is ready, what runs where, what is done.
 
     `uids` and `is_padding` describe the rows as the source laid them out; `ops` restricts the
-    step to those ops (validation), the others are skipped like ops gated by a warm-up.
+    step to those ops (validation), the others are skipped like ops gated by a warm-up. `slots`:
+    the bundles shared with the other steps in flight (default: this step's own). `gated`: ops
+    whose chunks are held, ready or not, until `open` is called for them (their cross-step
+    conditions, `rlgraph.runtime.window`, are not met yet).
     """
 
     def __init__(self, plan: Plan, uids: Sequence[int], is_padding: Sequence[bool], step: int,
-                 schedule: str = "stream", ops: set[str] | None = None) -> None:
+                 schedule: str = "stream", ops: set[str] | None = None, slots: Slots | None = None,
+                 gated: set[str] | frozenset[str] = frozenset()) -> None:
         if schedule not in ("stream", "sync"):
             raise ValueError(f"schedule must be 'stream' or 'sync', got {schedule!r}")
         self.plan = plan
@@ -171,9 +193,9 @@ class StepScheduler:
         self._have = {c: bytearray(n) for c in self._readers}  # column -> row -> ready?
         self._have_count = dict.fromkeys(self._readers, 0)
         # dispatch state: busy bundles, rows handed to each rank, ops with ready chunks per pool
-        self._busy: set[tuple[str, int]] = set()
-        self._slots = {p.name: len(p.bundles) for p in plan.pools}
-        self._busy_in = {p.name: 0 for p in plan.pools}
+        self.slots = slots or Slots(plan)
+        self._gated = {name for name in gated if not self.ops[name].skipped}
+        self._parked: dict[str, list[int]] = {}  # gated op -> chunks released while it was gated
         self._sent = {(g.name, r): 0 for g in plan.groups for r in range(g.dp)}
         self._waiting: dict[str, list[int]] = {p.name: [] for p in plan.pools}  # pool -> sorted op orders
         self._by_order = list(self.ops.values())
@@ -209,7 +231,8 @@ class StepScheduler:
             missing = [c for c in st.plan.inputs if self._have_count.get(c, self.num_rows) < self.num_rows]
             running = sum(1 for left in st.parts_left.values() if left)
             out[name] = (f"{st.done}/{len(st.chunks)} chunks done, {running} running"
-                         + (f", waiting for columns {missing}" if missing else ""))
+                         + (f", waiting for columns {missing}" if missing else "")
+                         + (", held for an earlier step (rlgraph.runtime.window)" if name in self._gated else ""))
         return out
 
     def tags(self, op: str, rows: Sequence[int]) -> tuple[bool, ...]:
@@ -226,7 +249,7 @@ class StepScheduler:
         calls: list[Call] = []
         for pool, orders in self._waiting.items():
             i = 0
-            while i < len(orders) and self._busy_in[pool] < self._slots[pool]:
+            while i < len(orders) and self.slots.used[pool] < self.slots.size[pool]:
                 st = self._by_order[orders[i]]
                 calls += self._assign(st)
                 if st.ready:
@@ -237,7 +260,7 @@ class StepScheduler:
 
     def _assign(self, st: _Op) -> list[Call]:
         group, dp = st.plan.group, self._dp[st.plan.group]
-        free = [r for r in range(dp) if (st.pool, r) not in self._busy]
+        free = [r for r in range(dp) if (st.pool, r) not in self.slots.busy]
         calls: list[Call] = []
         while st.ready and free:
             if st.plan.mode == "barrier":
@@ -253,8 +276,7 @@ class StepScheduler:
             st.started += 1
             for rank, rows in parts:
                 free.remove(rank)
-                self._busy.add((st.pool, rank))
-                self._busy_in[st.pool] += 1
+                self.slots.take(st.pool, rank)
                 self._sent[(group, rank)] += len(rows)
                 calls.append(Call(chunk, group, rank, rows))
         return calls
@@ -270,8 +292,7 @@ class StepScheduler:
     def call_done(self, call: Call) -> bool:
         """`call` finished; frees its rank. Returns True when its whole chunk is done."""
         st = self.ops[call.chunk.op]
-        self._busy.discard((st.pool, call.rank))
-        self._busy_in[st.pool] -= 1
+        self.slots.free(st.pool, call.rank)
         st.parts_left[call.chunk.index] -= 1
         if st.parts_left[call.chunk.index]:
             return False
@@ -314,11 +335,31 @@ class StepScheduler:
         if self.schedule == "sync" and st.plan.stage > self._open:
             self._held.setdefault(st.plan.stage, []).append((st, k))
             return
+        if st.plan.name in self._gated:
+            self._parked.setdefault(st.plan.name, []).append(k)
+            return
         heapq.heappush(st.ready, k)
         orders = self._waiting[st.pool]
         i = bisect.bisect_left(orders, st.order)
         if i == len(orders) or orders[i] != st.order:
             orders.insert(i, st.order)
+
+    @property
+    def gated(self) -> set[str]:
+        """Ops still held for their cross-step conditions."""
+        return self._gated
+
+    def open(self, op: str) -> None:
+        """`op`'s cross-step conditions hold: release its held chunks and let later ones through."""
+        if op not in self._gated:
+            return
+        self._gated.discard(op)
+        for k in self._parked.pop(op, []):
+            self._release(self.ops[op], k)
+
+    def op_finished(self, op: str) -> bool:
+        """Whether `op` has finished (or is skipped) this step."""
+        return self.ops[op].finished
 
     def _open_stage(self) -> int:
         """The first stage with an unfinished op (every op before it has finished)."""

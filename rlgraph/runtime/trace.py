@@ -66,7 +66,8 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
 
 
 def write_timeline_svg(spans: Iterable[Span], path: str | Path, title: str = "timeline") -> Path:
-    """Draw one lane per worker and one box per op call, coloured by op, against time."""
+    """Draw one lane per worker and one box per op call, coloured by op and numbered by step
+    (where it is wide enough), against time."""
     spans = sorted(spans, key=lambda s: (s.start, s.group, s.rank))
     lanes = sorted({(s.group, s.rank) for s in spans})
     ops = sorted({s.op for s in spans})
@@ -92,6 +93,8 @@ def write_timeline_svg(spans: Iterable[Span], path: str | Path, title: str = "ti
         tip = f"{s.op} step {s.step} chunk {s.chunk}: {s.rows} rows, {s.duration * 1e3:.1f} ms"
         out.append(f'<rect x="{x(s.start):.2f}" y="{y}" width="{w:.2f}" height="{lane_h - 4}" '
                    f'fill="{colour[s.op]}" stroke="#333" stroke-width="0.3"><title>{html.escape(tip)}</title></rect>')
+        if w >= 12:  # the step number, so that steps in flight together (max_staleness > 0) read apart
+            out.append(f'<text x="{x(s.start) + 2:.2f}" y="{y + lane_h - 8}" font-size="8" fill="#222">{s.step}</text>')
         for t, rows in s.parts:  # a tick where a streaming call handed over a part
             out.append(f'<line x1="{x(t):.2f}" y1="{y}" x2="{x(t):.2f}" y2="{y + lane_h - 4}" stroke="#000" '
                        f'stroke-width="1"><title>{html.escape(f"{s.op}: {rows} rows handed over")}</title></line>')

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from rlgraph.errors import OpError
+from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.invoke import Invoker
 from rlgraph.runtime.trace import Span
@@ -149,7 +149,8 @@ class GroupWorker:
         except Exception as e:
             keys = list(uids[:8]) + (["..."] if len(uids) > 8 else [])
             detail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
-            raise OpError(
+            kind = type(e) if isinstance(e, InvariantError) else OpError  # a bug: the runner must not retry it
+            raise kind(
                 f"op {op_name!r} failed on worker {self.group}[{self.rank}] at step {step} (chunk {chunk}, "
                 f"{len(rows)} rows, sample uids {keys}): {type(e).__name__}: {e}\n{detail}"
             ) from None

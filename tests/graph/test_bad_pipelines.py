@@ -129,6 +129,14 @@ CHECKED = [
     Checked("estimator_needs_barrier", ("op-config",), ("advantage", "reinforce_plus_plus"),
             r"op 'advantage': algorithm\.estimator='reinforce_plus_plus' whitens over the whole batch, but the "
             r"advantage op runs per group", r"stages\.advantage\('reinforce_plus_plus'\)"),
+    Checked("staleness_colocated", ("staleness-colocated",), ("generate", "actor", "update_actor", "policy_weights"),
+            r"trainer\.max_staleness=1: op 'generate' would generate with weights up to 1 step\(s\) old, but it runs "
+            r"in worker group 'actor' with 'update_actor'", r"stages\.generate\(group='rollout'\)"),
+    Checked("staleness_mixed", ("staleness-mixed",), ("generate", "old_logprob", "rollout", "policy_weights"),
+            r"ops 'generate' and 'old_logprob' share worker group 'rollout' and read 'policy_weights'",
+            r"give 'generate' a worker group of its own"),
+    Checked("staleness_unused", ("staleness-unused",), (), r"trainer\.max_staleness=2, but no op may run ahead",
+            r"set trainer\.max_staleness=0"),
     Checked("three_problems", ("column-missing", "op-no-group", "group-unused"), ("update", "scroe", "judge", "critic"),
             r"'three_problems' has 3 problems:", r"remove worker group 'critic'"),
 ]

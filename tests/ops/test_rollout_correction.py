@@ -43,3 +43,33 @@ def test_policy_loss_weights_each_token():
     assert float(res.loss.detach()) == pytest.approx(-1.25)
     plain = policy_loss(old, old, adv, mask)
     assert float(plain.loss) == pytest.approx(-1.0)
+
+
+def test_decoupled_weights_by_hand():
+    from rlgraph.ops.algos import decoupled_weights
+
+    # behaviour probs 0.5, 0.25, 0.1 for tokens the proximal policy gives 0.5, 0.5, 0.9
+    prox = torch.log(torch.tensor([[0.5, 0.5, 0.9]]))
+    behav = torch.log(torch.tensor([[0.5, 0.25, 0.1]]))
+    w, keep = decoupled_weights(prox, behav, cap=5.0)
+    # w = 1, 2, 9; 9 > 5 leaves the loss (weight 0, mask 0) instead of being truncated to 5
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.0]]))
+    assert keep.tolist() == [[True, True, False]]
+    with pytest.raises(ValueError, match="cap=1.0 must be > 1"):
+        decoupled_weights(prox, behav, cap=1.0)
+
+
+def test_decoupled_loss_equals_weighted_clipped_loss_on_kept_tokens():
+    from rlgraph.ops.algos import decoupled_weights, policy_loss
+
+    torch.manual_seed(0)
+    logp, prox, behav = (torch.randn(2, 4) * 0.3 - 1.0 for _ in range(3))
+    adv, mask = torch.randn(2, 4), torch.ones(2, 4)
+    w, keep = decoupled_weights(prox, behav, cap=1.5)
+    kept = mask * keep
+    got = policy_loss(logp, prox, adv, kept, is_weights=w).loss
+    # by hand: token-mean over kept tokens of max(-A r, -A clip(r)) * w, r against the proximal policy
+    r = torch.exp(logp - prox)
+    per_token = torch.maximum(-adv * r, -adv * torch.clamp(r, 0.8, 1.2))
+    per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * 3.0), per_token) * w
+    torch.testing.assert_close(got, (per_token * kept).sum() / kept.sum())

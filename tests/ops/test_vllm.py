@@ -83,7 +83,7 @@ def test_same_columns_masks_and_greedy_responses_as_hf(model_dir, invokers):
     hf_parts, hf_cols = _generate(hf, hf_plan, rows, pad)
     vl_parts, vl_cols = _generate(vl, vllm_plan, rows, pad)
     assert set(hf_cols) == set(vl_cols) == {"prompts", "responses", "response_mask", "input_ids", "attention_mask",
-                                            "position_ids", "rollout_log_probs"}
+                                            "position_ids", "rollout_log_probs", "policy_version"}
     eos = load_tokenizer(model_dir).eos_token_id
     for i in range(len(rows)):
         for c in hf_cols:

@@ -34,7 +34,7 @@ from rlgraph.ops.algos.kl import (
     kl_penalty,
 )
 from rlgraph.ops.algos.losses import PolicyLossResult, ValueLossResult, policy_loss, value_loss
-from rlgraph.ops.algos.rollout_correction import ProbsDiff, rollout_probs_diff, truncated_is_weights
+from rlgraph.ops.algos.rollout_correction import ProbsDiff, decoupled_weights, rollout_probs_diff, truncated_is_weights
 
 __all__ = [
     "AGG_MODES",
@@ -64,6 +64,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "rollout_probs_diff",
     "truncated_is_weights",
+    "decoupled_weights",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
 ]

@@ -1,5 +1,5 @@
-"""The rollout engine against the trainer: how far their log-probs disagree, and truncated
-importance sampling to correct for it.
+"""The rollout engine against the trainer: how far their log-probs disagree, and the corrections
+for samples the trainer's policy did not generate (engine numerics, or an older policy).
 
 The engine (vLLM, or HF generate) samples a response token by token and reports each token's
 log-prob under its own numerics; the trainer recomputes them (`old_log_probs`). They differ a
@@ -11,6 +11,17 @@ trainer. Two tools, as in verl:
 - `truncated_is_weights`: per-token weights ``min(exp(old_logp - rollout_logp), cap)``
   (truncated importance sampling, Yao et al. 2025); the policy loss of each token is multiplied
   by its weight (``policy_loss(..., is_weights=...)``).
+
+With asynchronous training (``trainer.max_staleness >= 1``) the samples come from a policy up to
+k updates older than the trained one. ``old_log_probs`` is then recomputed by the current policy
+before the update: the *proximal* policy of decoupled PPO (Hilton et al. 2022; AReaL, Fu et al.
+2025), and the behaviour policy's are ``rollout_log_probs``:
+
+- `decoupled_weights`: the PPO ratio is clipped against the proximal policy, and each token's
+  loss is weighted by the behaviour importance weight ``exp(old_logp - rollout_logp)``; tokens
+  whose weight exceeds ``cap`` leave the loss (AReaL's ``behav_imp_weight_cap``: they are masked
+  out, not truncated);
+- `truncated_is_weights`: the same weight truncated at ``cap`` instead (TIS).
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from torch import Tensor
 
 from rlgraph.ops.algos.core import check_same_shape, masked_mean
 
-__all__ = ["ProbsDiff", "rollout_probs_diff", "truncated_is_weights"]
+__all__ = ["ProbsDiff", "decoupled_weights", "rollout_probs_diff", "truncated_is_weights"]
 
 
 class ProbsDiff(NamedTuple):
@@ -51,3 +62,18 @@ def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> 
         # w = min(exp(log w), cap)
         return torch.clamp(torch.exp(log_w), max=cap)
 
+
+def decoupled_weights(prox_logp: Tensor, behav_logp: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Decoupled PPO's behaviour weights and token mask (no gradient): ``w = exp(prox_logp -
+    behav_logp)`` per token, and ``keep = w <= cap``. The caller weights each token's clipped
+    loss by ``w`` and removes the tokens with ``keep == 0`` from the loss mask."""
+    check_same_shape("decoupled_weights", prox_logp=prox_logp, behav_logp=behav_logp)
+    if not cap > 1:
+        raise ValueError(f"decoupled_weights: cap={cap!r} must be > 1 (a weight of 1 is on-policy)")
+    with torch.no_grad():
+        # log w = log pi_prox(a) - log pi_behav(a), clamped to +-20 so exp() stays finite
+        log_w = torch.clamp(prox_logp.float() - behav_logp.float(), min=-20.0, max=20.0)
+        w = torch.exp(log_w)
+        keep = w <= cap
+        # dropped tokens get weight 0 as well, so a caller that forgets the mask still drops them
+        return torch.where(keep, w, torch.zeros_like(w)), keep

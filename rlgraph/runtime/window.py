@@ -1,0 +1,196 @@
+"""Steps in flight: which op of which step may start, and which weights it must see. No Ray.
+
+With ``trainer.max_staleness = k`` the runner keeps up to k+1 steps in flight, each with its own
+`StepScheduler`. Inside a step the scheduler orders the calls by their columns; across steps the
+order comes from the state columns (weights) and is decided here, the same way every run, so
+that results never depend on timing:
+
+- **Versions.** An op of step t that reads a state column reads the value its producer wrote at
+  step ``t - 1 - lag``, where ``lag`` is the op's (``OpPlan.lag``: k for the behaviour policy,
+  `generate`, declared ``stale_ok``; 0 for every other op). If the producer was skipped at that
+  step (a warm-up), the latest earlier value; before any, the initial one. The op waits until
+  that value exists, and until its group holds exactly that value: the runner then moves it
+  there (`Gate.sync`; a group that must go back to the initial value, after a restore, is
+  restarted) and opens the op. A group that writes the column itself reads its own latest value.
+- **Order inside a stateful group.** A group that keeps state (a model, an optimizer, state
+  columns) runs its steps in order: no op of it starts step t before every op of it finished
+  step t-1. Its state then changes in the same order whatever the timing.
+
+A step's partition, scheduler and record live until the step and every earlier one finished;
+steps complete in order. Weights a future step may still need are kept by producer step
+(`Window.kept`) until no step in flight or to come can read them; checkpoints save them, so a
+resume re-runs the steps in flight with the very weights the first run used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from rlgraph.graph.plan import Plan
+from rlgraph.runtime.scheduler import StepScheduler
+
+__all__ = ["Gate", "Window", "reads_step"]
+
+_UNKNOWN = "unknown"  # a group's state after a restore: sync it before it is read
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What stands between op `op` of step `step` and its start. ``sync``: move the value that
+    state column `column` had after producer step `version` into group `group` first."""
+
+    step: int
+    op: str
+    sync: tuple[str, str, int] | None = None  # (column, group, producer step)
+
+
+def reads_step(step: int, lag: int) -> int:
+    """The producer step whose state an op of `step` with `lag` reads (it may be negative: none)."""
+    return step - 1 - lag
+
+
+class Window:
+    """The steps in flight and the cross-step facts of the plan."""
+
+    def __init__(self, plan: Plan, stateful: dict[str, bool]) -> None:
+        self.plan = plan
+        self.live: dict[int, StepScheduler] = {}
+        self._reads: dict[int, int | None] = {}  # step -> fixed producer step for every read (validation)
+        self.stateful = {g: s for g, s in stateful.items() if s}
+        self.lag = {op.name: op.lag for op in plan.ops}
+        self.state_cols = {op.name: list(op.state_inputs) for op in plan.ops}
+        self.producer = {c: col.producer for c, col in plan.columns.items() if col.kind == "state"}
+        self.produces = {op.name: [c for c in op.outputs if c in self.producer] for op in plan.ops}
+        self.group_ops = {g.name: list(g.ops) for g in plan.groups}
+        self.group_of = {op.name: op.group for op in plan.ops}
+        self.kept: dict[str, list[int]] = {c: [] for c in self.producer}  # column -> producer steps kept, sorted
+        self.dp = {g.name: g.dp for g in plan.groups}
+        # state columns some group must be given (`moves`): only those are exported and kept
+        self.crossing = {c for c in self.producer
+                         if any(self.moves(c, self.group_of[o]) for o in plan.columns[c].consumers)}
+        self.held: dict[tuple[str, str], int | None] = {}  # (column, group) -> producer step it holds
+        self.reset_held(initial=True)
+        self.first = 0  # steps before this are complete (the run started or restored there)
+
+    # ------------------------------------------------------------------ steps
+    def gated_ops(self, reads_fixed: bool = False) -> set[str]:
+        """The ops a new step must hold until `gates` says they may start."""
+        if reads_fixed:
+            return {name for name, cols in self.state_cols.items() if cols}
+        return {op.name for op in self.plan.ops if self.state_cols[op.name] or op.group in self.stateful}
+
+    def admit(self, step: int, sched: StepScheduler, reads: int | None = None) -> None:
+        """Step `step` is in flight. `reads`: the producer step every state read of this step sees
+        (validation after step s reads step s's weights), instead of the per-op rule."""
+        self.live[step] = sched
+        self._reads[step] = reads
+
+    def pop_done(self) -> Iterator[int]:
+        """Steps that finished, oldest first, stopping at the first unfinished one."""
+        while self.live:
+            step = min(self.live)
+            if not self.live[step].finished:
+                return
+            del self.live[step]
+            self._reads.pop(step, None)
+            yield step
+
+    def clear(self) -> list[int]:
+        """Forget every step in flight (a restore); returns them."""
+        steps = sorted(self.live)
+        self.live.clear()
+        self._reads.clear()
+        return steps
+
+    # ------------------------------------------------------------------ state versions
+    def produced(self, op: str, step: int) -> list[str]:
+        """`op` finished step `step`: the state columns it wrote (the runner keeps their values)."""
+        cols = self.produces.get(op, [])
+        for c in cols:
+            if not self.kept[c] or self.kept[c][-1] < step:
+                self.kept[c].append(step)
+        return cols
+
+    def version_for(self, column: str, upto: int) -> int | None:
+        """The latest kept producer step <= `upto` of `column` (None: the initial value)."""
+        best = None
+        for s in self.kept[column]:
+            if s <= upto:
+                best = s
+        return best
+
+    def prunable(self, next_step: int) -> list[tuple[str, int]]:
+        """Kept values no step >= the oldest step in flight (or `next_step`) can read any more."""
+        oldest = min([*self.live, next_step])
+        out = []
+        for c, steps in self.kept.items():
+            lags = [self.lag[o] for o in self.plan.columns[c].consumers] or [0]
+            needed = self.version_for(c, reads_step(oldest, max(lags)))
+            while steps and needed is not None and steps[0] < needed:
+                out.append((c, steps.pop(0)))
+        return out
+
+    def holds(self, column: str, group: str, version: int | None) -> None:
+        """Group `group` now holds `column` as written at producer step `version`."""
+        self.held[(column, group)] = version
+
+    def moves(self, column: str, group: str) -> bool:
+        """Whether `group` must be given `column` from its producer: it is another group, or the
+        producer's own group with several ranks (each rank reads rank 0's value, as written)."""
+        producer_group = self.group_of[self.producer[column]]
+        return group != producer_group or self.dp[group] > 1
+
+    def holds_initial(self, group: str) -> None:
+        """`group` was restarted: it holds the initial value of every state column it reads."""
+        for c in self.crossing:
+            if any(self.group_of[o] == group for o in self.plan.columns[c].consumers):
+                self.held[(c, group)] = None
+
+    def reset_held(self, initial: bool) -> None:
+        """Every consumer group holds its initial state (`initial`: a fresh start, or every group
+        restarted) or something unknown (restored from a checkpoint: sync before reading)."""
+        self.held.clear()
+        if initial:
+            for c, col in self.plan.columns.items():
+                if c in self.producer:
+                    for o in col.consumers:
+                        if self.moves(c, self.group_of[o]):
+                            self.held[(c, self.group_of[o])] = None
+
+    # ------------------------------------------------------------------ gates
+    def gates(self) -> list[Gate]:
+        """For every gated op of every live step whose cross-step conditions hold: open it
+        (``sync`` None) or first sync one state column into its group."""
+        out = []
+        for step in sorted(self.live):
+            sched = self.live[step]
+            for op in sorted(sched.gated, key=lambda o: self.plan.op(o).stage):
+                gate = self._gate(step, op)
+                if gate is not None:
+                    out.append(gate)
+        return out
+
+    def _finished(self, step: int, op: str) -> bool:
+        """`op` finished at `step` (steps before the window and those not in flight any more count)."""
+        if step < self.first or step not in self.live:
+            return True
+        return self.live[step].op_finished(op)
+
+    def _gate(self, step: int, op: str) -> Gate | None:
+        group = self.group_of[op]
+        fixed = self._reads.get(step)
+        if fixed is None and group in self.stateful:
+            prev = step - 1
+            if prev in self.live and not all(self._finished(prev, o) for o in self.group_ops[group]):
+                return None
+        for c in self.state_cols[op]:
+            upto = fixed if fixed is not None else reads_step(step, self.lag[op])
+            if upto >= self.first and not self._finished(upto, self.producer[c]):
+                return None
+            if not self.moves(c, group):
+                continue  # written here, on its only rank: it holds its own latest value, in order
+            version = self.version_for(c, upto)
+            if self.held.get((c, group), _UNKNOWN) != version:
+                return Gate(step, op, (c, group, version))
+        return Gate(step, op)
