@@ -385,7 +385,7 @@ def simulate_steps(plan: Any, steps: int, schedule: str) -> dict[str, Any]:
     c = _cost(plan.config)
     seed = int(plan.config["trainer"]["seed"])
     depth = int(plan.config["trainer"].get("max_staleness", 0)) + 1
-    state_ops = {o.name for o in plan.ops if o.state_inputs or any(plan.columns[x].kind == "state" for x in o.outputs)}
+    state_ops = plan.state_ops()
     window = Window(plan, {g.name: any(o in state_ops for o in g.ops) for g in plan.groups})
     slots = Slots(plan)
     layout = {}
@@ -414,8 +414,7 @@ def simulate_steps(plan: Any, steps: int, schedule: str) -> dict[str, Any]:
         for s in sorted(window.live):
             uids, pad, lens = layout[s]
             for call in window.live[s].next_calls():
-                pool = plan.op(call.chunk.op).group
-                pool = next(g.pool for g in plan.groups if g.name == pool)
+                pool = plan.group(plan.op(call.chunk.op).group).pool
                 if plan.op(call.chunk.op).streams:
                     times = group_finish_times(call.rows, uids, lens, pad, c)
                     for t, ks in times:

@@ -239,6 +239,11 @@ class Plan(_Frozen):
                 return o
         raise KeyError(f"plan has no op {name!r}")
 
+    def state_ops(self) -> set[str]:
+        """The ops that read or write a state column: their groups keep state beyond a call."""
+        return {o.name for o in self.ops
+                if o.state_inputs or any(self.columns[c].kind == "state" for c in o.outputs)}
+
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:
             if g.name == name:

@@ -91,8 +91,7 @@ class Fleet:
         self._setup_groups(names)
         self.initial_source_state = self.get([self.source.state_dict.remote()], "the data source to start")[0]
         has_state = self.get([self.workers[g][0].has_instance_state.remote() for g in names], "worker state inventory")
-        state_ops = {op.name for op in self.plan.ops
-                     if any(self.plan.columns[c].kind == "state" for c in [*op.inputs, *op.outputs])}
+        state_ops = self.plan.state_ops()
         for g, inst in zip(names, has_state):
             self.stateful[g] = bool(inst) or any(o in state_ops for o in self.plan.group(g).ops)
 

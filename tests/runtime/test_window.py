@@ -131,3 +131,10 @@ def test_kept_versions_are_pruned_once_no_step_can_read_them():
     # steps from 4 on read update_actor's weights of step >= 2 (4 - 1 - 1)
     assert window.prunable(4) == [("policy_weights", 0), ("policy_weights", 1)]
     assert window.kept["policy_weights"] == [2, 3]
+
+
+def test_state_ops_include_ops_that_only_read_state():
+    # a group that only reads a state column (the rollout) holds it between calls: restarting it would
+    # lose the weights it was given, so it counts as keeping state (Fleet.stateful, Window.stateful)
+    plan = _plan("trainer.max_staleness=1")
+    assert plan.state_ops() == {"generate", "old_logprob", "update_actor"}
