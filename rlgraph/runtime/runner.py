@@ -255,18 +255,20 @@ class Runner:
         written at `step`; ``val/...`` metrics."""
         if not self.plan.validation.ops:
             return {}
-        results: list[dict[str, Any]] = []
         lv = self._admit(step, key=step + 0.5, partition=f"val_{step}", ops=set(self.plan.validation.ops))
-        self._events({lv.key: lv}, lambda live: None, lambda done, m: results.append(m))
+        m = self._alone(lv)
         self.all_spans += lv.rec.spans  # validation calls show in the trace and timeline too
         names = set(self.plan.summaries.values())
-        return {f"val/{k}": v for k, v in results[0].items() if k.split("/")[0] in names}
+        return {f"val/{k}": v for k, v in m.items() if k.split("/")[0] in names}
 
     def step(self, step: int, partition: str | None = None, ops: set[str] | None = None) -> dict[str, Any]:
         """Run one step (all ops, or only `ops`) on its own partition, alone; returns its metrics."""
-        results: list[dict[str, Any]] = []
         self.window.first = step
-        lv = self._admit(step, partition=partition, ops=ops)
+        return self._alone(self._admit(step, partition=partition, ops=ops))
+
+    def _alone(self, lv: _Live) -> dict[str, Any]:
+        """Run admitted step `lv` with nothing else in flight; returns its metrics."""
+        results: list[dict[str, Any]] = []
         self._events({lv.key: lv}, lambda live: None, lambda done, m: results.append(m))
         return results[0]
 
@@ -425,10 +427,9 @@ class Runner:
         if result.metrics:
             rec.op_metrics.setdefault(call.chunk.op, []).append(result.metrics)
         rec.batch_values.update(result.batch_values)
-        if sched.call_done(call):
-            if lv.training:
-                self.reporter.chunk_done(lv.step, call.chunk.op)
-            if lv.training and sched.op_finished(call.chunk.op):
+        if sched.call_done(call) and lv.training:
+            self.reporter.chunk_done(lv.step, call.chunk.op)
+            if sched.op_finished(call.chunk.op):
                 self._produced(call.chunk.op, lv.step)
 
     @staticmethod
@@ -485,7 +486,7 @@ class Runner:
         older = {c: dict(zip(map(str, steps[:-1]), self.fleet.get([self._kept[(c, s)] for s in steps[:-1]],
                                                                    f"older versions of {c!r} for the checkpoint")))
                  for c, steps in kept.items() if len(steps) > 1}
-        states[_VERSIONS] = {"latest": {c: s for c, s in latest.items()}, "older": older}
+        states[_VERSIONS] = {"latest": latest, "older": older}
         return states
 
     # ------------------------------------------------------------------ failures
@@ -552,8 +553,7 @@ class Runner:
                                f"from in {out}; set trainer.save_every to make runs recoverable")
         self.fleet.rewind_source()
         self._kept.clear()
-        for steps in self.window.kept.values():
-            steps.clear()
+        self.window.forget_kept()
         self.window.reset_held(initial=True)
         return 0
 
@@ -566,8 +566,8 @@ class Runner:
         self.fleet.load_states({k: v for k, v in states.items() if k != _VERSIONS}, f"restoring checkpoint {ckpt}")
         versions = states.get(_VERSIONS, {"latest": {}, "older": {}})
         self._kept.clear()
+        self.window.forget_kept()
         for c, steps in self.window.kept.items():
-            steps.clear()
             if c not in self.window.crossing:
                 continue
             for s, value in sorted(versions["older"].get(c, {}).items(), key=lambda kv: int(kv[0])):

@@ -66,12 +66,18 @@ class Window:
         self.group_of = {op.name: op.group for op in plan.ops}
         self.kept: dict[str, list[int]] = {c: [] for c in self.producer}  # column -> producer steps kept, sorted
         self.dp = {g.name: g.dp for g in plan.groups}
-        # state columns some group must be given (`moves`): only those are exported and kept
-        self.crossing = {c for c in self.producer
-                         if any(self.moves(c, self.group_of[o]) for o in plan.columns[c].consumers)}
+        # column -> the groups that must be given it (`moves`); only those columns are exported and kept
+        self.given_to = {c: {self.group_of[o] for o in plan.columns[c].consumers if self.moves(c, self.group_of[o])}
+                         for c in self.producer}
+        self.crossing = {c for c, groups in self.given_to.items() if groups}
         self.held: dict[tuple[str, str], int | None] = {}  # (column, group) -> producer step it holds
         self.reset_held(initial=True)
         self.first = 0  # steps before this are complete (the run started or restored there)
+
+    def forget_kept(self) -> None:
+        """No kept versions any more (a restore refills them, a restart from scratch needs none)."""
+        for steps in self.kept.values():
+            steps.clear()
 
     # ------------------------------------------------------------------ steps
     def gated_ops(self, reads_fixed: bool = False) -> set[str]:
@@ -96,12 +102,10 @@ class Window:
             self._reads.pop(step, None)
             yield step
 
-    def clear(self) -> list[int]:
-        """Forget every step in flight (a restore); returns them."""
-        steps = sorted(self.live)
+    def clear(self) -> None:
+        """Forget every step in flight (a restore)."""
         self.live.clear()
         self._reads.clear()
-        return steps
 
     # ------------------------------------------------------------------ state versions
     def produced(self, op: str, step: int) -> list[str]:
@@ -143,8 +147,8 @@ class Window:
 
     def holds_initial(self, group: str) -> None:
         """`group` was restarted: it holds the initial value of every state column it reads."""
-        for c in self.crossing:
-            if any(self.group_of[o] == group for o in self.plan.columns[c].consumers):
+        for c, groups in self.given_to.items():
+            if group in groups:
                 self.held[(c, group)] = None
 
     def reset_held(self, initial: bool) -> None:
@@ -152,11 +156,7 @@ class Window:
         restarted) or something unknown (restored from a checkpoint: sync before reading)."""
         self.held.clear()
         if initial:
-            for c, col in self.plan.columns.items():
-                if c in self.producer:
-                    for o in col.consumers:
-                        if self.moves(c, self.group_of[o]):
-                            self.held[(c, self.group_of[o])] = None
+            self.held.update({(c, g): None for c, groups in self.given_to.items() for g in groups})
 
     # ------------------------------------------------------------------ gates
     def gates(self) -> list[Gate]:
