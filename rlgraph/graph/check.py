@@ -24,6 +24,7 @@ validation-column           a validation column that no op produces
 staleness-unused            trainer.max_staleness > 0 but no op may run ahead (stale_ok and reading state)
 staleness-colocated         a stale_ok op shares a group with the op writing its state (one copy, changed in place)
 staleness-mixed             a stale_ok op and an op reading the latest state share a group (one copy)
+partial-unused              <op>.partial (partial rollout) on without trainer.max_staleness >= 1
 op-unused                   an op none of whose outputs is read, kept or a metric
 cycle                       a dependency cycle through data columns
 granularity                 a per-sample or per-group op reads a column that exists only
@@ -235,6 +236,14 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                                 f"{o.group!r} and read {c!r}, but {o.name!r} may read it {k} step(s) old and "
                                 f"{same[0]!r} must read the latest; a group holds one copy",
                                 f"give {o.name!r} a worker group of its own", op=o.name, column=c))
+
+    for o in p.ops:  # partial rollout: newer weights mid-call exist only while the update runs alongside
+        if o.stale_ok and "partial" in o.params and g.config.get(f"{o.namespace}.partial") is True \
+                and not (isinstance(k, int) and k > 0):
+            add(Problem("partial-unused", f"{o.namespace}.partial=true, but trainer.max_staleness={k}: op {o.name!r} "
+                        "then always has the newest weights, so none can arrive while it runs",
+                        f"set trainer.max_staleness=1 (with {o.name!r} in a worker group of its own), or "
+                        f"{o.namespace}.partial=false", op=o.name))
 
     # Op-specific validation ------------------------------------------------------------------
     for o in p.ops:

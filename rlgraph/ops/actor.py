@@ -28,7 +28,7 @@ from rlgraph.errors import InvariantError
 from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, kl_loss, logprobs_from_logits,
                                masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
-from rlgraph.ops.rollout import hf_parts, parse_token_ids, vllm_parts
+from rlgraph.ops.rollout import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.sequences import pack, response_logits, split_rows
 from rlgraph.ops.training import TrainerMixin, kept_rows, section
 
@@ -104,16 +104,23 @@ class ActorWorker(TrainerMixin):
         metrics["weight_sync_s"], metrics["weight_sync_bytes"] = 0.0, 0.0
         if self.rollout_version != self.model_version:
             t0 = time.time()
-            metrics["weight_sync_bytes"] = float(self.rollout_engine.load_weights(self.model.state_dict()))
+            metrics["weight_sync_bytes"] = float(self._to_engine())
             metrics["weight_sync_s"] = time.time() - t0
-            self.rollout_version = self.model_version
         return metrics
+
+    def _to_engine(self) -> int:
+        """Give the engine the model's weights, labelled with their policy version; bytes sent."""
+        sent = self.rollout_engine.load_weights(self.model.state_dict(), label=self.policy_version)
+        self.rollout_version = self.model_version
+        return sent
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: torch.Tensor, policy_weights: Mapping[str, Any] | None = None, *,
                  temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_token_ids: str,
-                 micro_batch_size: int, ctx: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
-        """All of this rank's prompts; yields each finished part (a group on vLLM, a micro-batch on hf)."""
+                 micro_batch_size: int, partial: bool = False, ctx: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """All of this rank's prompts; yields each finished part (a group on vLLM, a micro-batch on hf).
+        With `partial`, newer policy weights that reach this worker while it generates are loaded at
+        once (vLLM: between engine steps; hf: between micro-batches)."""
         self._sync(policy_weights)
         t0 = time.time()
         prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
@@ -121,26 +128,57 @@ class ActorWorker(TrainerMixin):
                         max_new_tokens=max_new_tokens, stop_token_ids=parse_token_ids(stop_token_ids),
                         logprobs="rollout_log_probs" in ctx.wanted)
         metrics: dict[str, float] = {}
+        swaps = {"n": 0, "s": 0.0, "bytes": 0.0}
+
+        def refresh() -> bool:
+            t = time.time()
+            if not self._take_newer(ctx):
+                return False
+            if self.backend == "vllm":
+                swaps["bytes"] += self._to_engine()
+            swaps["n"] += 1
+            swaps["s"] += time.time() - t
+            return True
+
         if self.backend == "vllm":
             metrics.update(self._engine_ready(ctx.rank))
-            parts = vllm_parts(self.rollout_engine, prompts, ctx.is_padding, self.tokenizer.eos_token_id, **sampling)
+            parts = vllm_parts(self.rollout_engine, prompts, ctx.is_padding, self.tokenizer.eos_token_id,
+                               refresh=refresh if partial else None, **sampling)
         else:
             parts = hf_parts(self.model, self.tokenizer, prompts, ctx.is_padding, micro_batch_size=micro_batch_size,
-                             **sampling)
-        tokens = n_parts = 0
-        for rows, cols in self._versioned(parts):
-            tokens += sum(len(r) for r, pad in zip(cols["responses"], rows) if not ctx.is_padding[pad])
+                             refresh=refresh if partial else None, **sampling)
+        tokens = n_parts = spanning = real = 0
+        for rows, cols in parts:
+            # the policy version of each response's first and last token (vLLM labels every token)
+            versions = cols.pop(VERSIONS, None) or [(self.policy_version, self.policy_version)] * len(rows)
+            cols["policy_version"] = torch.tensor([a for a, _ in versions], dtype=torch.int64)
+            cols["policy_version_end"] = torch.tensor([b for _, b in versions], dtype=torch.int64)
+            for j, pos in enumerate(rows):
+                if not ctx.is_padding[pos]:
+                    tokens += len(cols["responses"][j])
+                    real += 1
+                    spanning += versions[j][0] != versions[j][1]
             n_parts += 1
             yield rows, cols
         seconds = time.time() - t0
         metrics.update(generate_s=seconds, parts=float(n_parts), response_tokens_count=float(tokens),
                        tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        if partial:
+            metrics.update(partial_swaps=float(swaps["n"]), partial_swap_s=swaps["s"],
+                           partial_swap_bytes=swaps["bytes"], partial_frac=spanning / real if real else 0.0)
         return {"rollout_metrics": metrics}
 
-    def _versioned(self, parts: Iterator[tuple[list[int], dict[str, Any]]]) -> Iterator[tuple[list[int], dict]]:
-        """Each part with its rows' policy_version (the weights that generated them)."""
-        for rows, cols in parts:
-            yield rows, {**cols, "policy_version": torch.full((len(rows),), self.policy_version, dtype=torch.int64)}
+    def _take_newer(self, ctx: Any) -> bool:
+        """Partial rollout: load policy weights imported into this worker while the call runs, if
+        they are newer than the loaded ones and this step may read them (written before it)."""
+        w = ctx.state.get("policy_weights")
+        if not w or w.get("owner") == self.id:
+            return False
+        version = int(w["version"])
+        if version <= self.version or version > ctx.step - 1:
+            return False
+        self._sync(w)
+        return True
 
     # ------------------------------------------------------------------ forward passes
     @torch.no_grad()
@@ -183,8 +221,8 @@ class ActorWorker(TrainerMixin):
     def update_actor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor, old_log_probs: torch.Tensor,
                      advantages: torch.Tensor, ref_log_prob: torch.Tensor | None = None,
-                     rollout_log_probs: torch.Tensor | None = None, policy_version: torch.Tensor | None = None, *,
-                     lr: float,
+                     rollout_log_probs: torch.Tensor | None = None, policy_version: torch.Tensor | None = None,
+                     policy_version_end: torch.Tensor | None = None, *, lr: float,
                      weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
                      loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                      entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
@@ -202,7 +240,7 @@ class ActorWorker(TrainerMixin):
                  "old_log_probs": old_log_probs[:, :R], "advantages": advantages[:, :R]}
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
-        staleness = self._staleness(policy_version, ctx)
+        staleness = self._staleness(policy_version, policy_version_end, ctx)
         if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
         if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
@@ -250,9 +288,11 @@ class ActorWorker(TrainerMixin):
         self.policy_version += 1
         return {"actor_metrics": metrics, "policy_weights": self._weights(ctx.step)}
 
-    def _staleness(self, policy_version: torch.Tensor | None, ctx: Any) -> dict[str, float]:
-        """How many versions behind this policy the kept samples' generating policy is (mean, max);
-        more than trainer.max_staleness is refused."""
+    def _staleness(self, policy_version: torch.Tensor | None, policy_version_end: torch.Tensor | None,
+                   ctx: Any) -> dict[str, float]:
+        """How many versions behind this policy the kept samples' generating policy is (mean, max; of
+        their first token, and the mean of their last token: partial rollout); a first token more
+        than trainer.max_staleness behind is refused."""
         if policy_version is None:
             return {}
         kept = kept_rows(ctx)[:, 0].bool()
@@ -267,7 +307,15 @@ class ActorWorker(TrainerMixin):
                 f"this policy is version {self.policy_version}; trainer.max_staleness={self.max_staleness} allows "
                 f"{max(self.policy_version - self.max_staleness, 0)}..{self.policy_version}. This is a runtime bug: "
                 f"please report it with the plan file")
-        return {"staleness_mean": float(lag.float().mean()), "staleness_max": float(worst)}
+        out = {"staleness_mean": float(lag.float().mean()), "staleness_max": float(worst)}
+        if policy_version_end is not None:
+            end = policy_version_end.to(torch.int64)[kept]
+            if bool((end < policy_version.to(torch.int64)[kept]).any()) or int(end.max()) > self.policy_version:
+                raise StalenessError(f"update_actor at step {ctx.step}: a sample's policy_version_end is below its "
+                                     f"policy_version or above this policy's version {self.policy_version}. This is "
+                                     f"a runtime bug: please report it with the plan file")
+            out["staleness_end_mean"] = float((self.policy_version - end).float().mean())
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

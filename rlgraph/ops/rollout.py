@@ -7,7 +7,9 @@ columns)`` parts, so the runtime hands each part to the ops downstream as soon a
 - `hf_parts`: transformers ``generate`` on micro-batches of ``micro_batch_size`` groups, each
   seeded from the call's seed and its index, a part per micro-batch;
 - `vllm_parts`: every group submitted to the engine at once (one request per prompt, ``n``
-  samples each, seeded per prompt), a part per group the moment its last sample finishes.
+  samples each, seeded per prompt), a part per group the moment its last sample finishes. With
+  partial rollout, newer weights may be loaded between engine steps: a response started under
+  one policy version finishes under the next, and its part says which.
 
 Padding rows are not generated: each gets a one-token response (EOS) with ``response_mask`` 0,
 the minimal row of BRIEF section 2, handed over first. A response ends at and includes its first
@@ -16,18 +18,19 @@ stop token (EOS or one of ``stop_token_ids``); its ``response_mask`` is 1 on exa
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from rlgraph.seeds import stable_seed
 
-__all__ = ["GEN_COLUMNS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids"]
+__all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids"]
 
 GEN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                "rollout_log_probs")
 
 Part = tuple[list[int], dict[str, list]]
+VERSIONS = "weight_labels"  # not a column: a vllm part's per-row weight labels of its (first, last) token
 
 
 def parse_token_ids(text: str) -> tuple[int, ...]:
@@ -89,8 +92,10 @@ def _padding_part(prompts: Sequence[torch.Tensor], padding: list[int], is_paddin
 @torch.no_grad()
 def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], *, n: int,
              seed: int, micro_batch_size: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-             stop_token_ids: Sequence[int] = (), logprobs: bool = False) -> Iterator[Part]:
-    """transformers ``generate`` on micro-batches of `micro_batch_size` groups, a part per micro-batch."""
+             stop_token_ids: Sequence[int] = (), logprobs: bool = False,
+             refresh: Callable[[], bool] | None = None) -> Iterator[Part]:
+    """transformers ``generate`` on micro-batches of `micro_batch_size` groups, a part per micro-batch.
+    `refresh` (partial rollout) is called before each micro-batch; it may change `model`'s weights."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     stop = {eos, *stop_token_ids}
     padding, groups = groups_of(is_padding, n)
@@ -98,6 +103,8 @@ def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_pad
         yield _padding_part(prompts, padding, is_padding, eos, logprobs)
     size = max(1, micro_batch_size)
     for k, start in enumerate(range(0, len(groups), size)):
+        if refresh is not None:
+            refresh()
         rows = [i for g in groups[start:start + size] for i in g]
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -125,8 +132,12 @@ def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_pad
 
 def vllm_parts(engine: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], eos: int, *, n: int,
                seed: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-               stop_token_ids: Sequence[int] = (), logprobs: bool = False) -> Iterator[Part]:
-    """Every group submitted to `engine` (a `VLLMEngine`) at once; a part per group as it finishes."""
+               stop_token_ids: Sequence[int] = (), logprobs: bool = False,
+               refresh: Callable[[], bool] | None = None) -> Iterator[Part]:
+    """Every group submitted to `engine` (a `VLLMEngine`) at once; a part per group as it finishes.
+    Each part also holds ``VERSIONS``: per row, the weight labels of its first and last response
+    token (they differ when `refresh`, called between engine steps, loaded new weights: partial
+    rollout, see `VLLMEngine.generate`)."""
     padding, groups = groups_of(is_padding, n)
     if padding:
         yield _padding_part(prompts, padding, is_padding, eos, logprobs)
@@ -134,15 +145,17 @@ def vllm_parts(engine: Any, prompts: Sequence[torch.Tensor], is_padding: Sequenc
         return
     stop = {eos, *stop_token_ids}
     heads = [prompts[g[0]].tolist() for g in groups]  # the rows of a group repeat one prompt
-    for k, tokens, lps in engine.generate(heads, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                          max_tokens=max_new_tokens, stop_token_ids=sorted(stop - {eos}),
-                                          seeds=[stable_seed(seed, k) for k in range(len(groups))],
-                                          logprobs=logprobs):
-        rows = groups[k]
+    for done in engine.generate(heads, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_tokens=max_new_tokens, stop_token_ids=sorted(stop - {eos}),
+                                seeds=[stable_seed(seed, k) for k in range(len(groups))], logprobs=logprobs,
+                                refresh=refresh):
+        rows = groups[done.index]
         responses, row_lps = {}, {} if logprobs else None
         for j, i in enumerate(rows):
-            length = _cut(tokens[j], stop)
-            responses[i] = torch.tensor(tokens[j][:length], dtype=torch.long)
+            length = _cut(done.tokens[j], stop)
+            responses[i] = torch.tensor(done.tokens[j][:length], dtype=torch.long)
             if row_lps is not None:
-                row_lps[i] = torch.tensor(lps[j][:length], dtype=torch.float32)
-        yield _part(rows, prompts, responses, is_padding, row_lps)
+                row_lps[i] = torch.tensor(done.logprobs[j][:length], dtype=torch.float32)
+        positions, cols = _part(rows, prompts, responses, is_padding, row_lps)
+        cols[VERSIONS] = list(done.labels)
+        yield positions, cols

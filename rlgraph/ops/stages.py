@@ -55,6 +55,8 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     "rollout_metrics": T.json().metric(),
     "policy_version": T.int64(doc="updates the generating policy had seen (0: the initial weights); the update "
                               "trains on it only if at most trainer.max_staleness versions behind its own"),
+    "policy_version_end": T.int64(doc="the policy version that generated the response's last token: above "
+                                  "policy_version when new weights arrived while it was generated (rollout.partial)"),
     # reward
     "token_level_scores": T.float32(R, doc="the score, placed on the last response token"),
     "reward_extra": T.json(doc="extra values returned by the reward function"),
@@ -142,7 +144,7 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
         name="generate",
         inputs=_cols("prompt_ids", "policy_weights"),
         outputs=_cols("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                      "rollout_log_probs", "rollout_metrics", "policy_version"),
+                      "rollout_log_probs", "rollout_metrics", "policy_version", "policy_version_end"),
         granularity="group",
         group=group,
         config_key="rollout",
@@ -173,6 +175,12 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
                                    "start)", setup=True),
             "sleep_mode": Param(bool, True, "vllm on a GPU shared with the update: free the engine's memory during the "
                                 "update and wake it before generating", setup=True),
+            "partial": Param(bool, False, "partial rollout, with trainer.max_staleness >= 1: weights the update "
+                             "writes while a generate call runs are loaded at once (vllm: between engine steps, so a "
+                             "response may start under one policy version and finish under the next, recorded in "
+                             "policy_version and policy_version_end; hf: between micro-batches). Fresher samples, "
+                             "but which tokens each version made depends on timing: a resume does not repeat them "
+                             "bit for bit"),
         },
         impl="rlgraph.ops.actor:ActorWorker.generate",
         group_size_param="n",
@@ -472,7 +480,8 @@ def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> lis
 
 
 def _actor_uses(params: Mapping[str, Any]) -> set[str]:
-    used = {"policy_version"}  # staleness metrics, and the guard against training on too old samples
+    # staleness metrics, and the guard against training on too old samples
+    used = {"policy_version", "policy_version_end"}
     if params.get("use_kl_loss"):
         used.add("ref_log_prob")
     if params.get("tis_cap") or params.get("decoupled_cap"):
@@ -485,12 +494,12 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
     return OpSpec(
         name="update_actor",
         inputs=_cols(*_MODEL_INPUTS, "response_mask", "old_log_probs", "advantages", "ref_log_prob",
-                     "rollout_log_probs", "policy_version"),
+                     "rollout_log_probs", "policy_version", "policy_version_end"),
         outputs=_cols("actor_metrics", "policy_weights"),
         granularity="batch",
         group=group,
         config_key="actor",
-        optional_inputs={"ref_log_prob", "rollout_log_probs", "policy_version"},
+        optional_inputs={"ref_log_prob", "rollout_log_probs", "policy_version", "policy_version_end"},
         params=_update_params(1e-6, {
             "clip_ratio_low": Param(float, 0.2, "PPO clip below 1 (eps_low)", minimum=0.0),
             "clip_ratio_high": Param(float, 0.2, "PPO clip above 1 (eps_high)", minimum=0.0),

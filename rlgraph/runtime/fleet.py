@@ -27,6 +27,7 @@ from rlgraph.runtime.scheduler import Call
 __all__ = ["Fleet", "SOURCE"]
 
 SOURCE = "source"  # the data source's name in `dead()` and in checkpoint states
+CONTROL = "control"  # the worker actors' concurrency group for imports during a call
 
 
 class Fleet:
@@ -114,7 +115,8 @@ class Fleet:
         share = sum(1 for x in self.plan.groups if x.pool == g.pool)  # colocated groups time-share bundles
         bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
         self.workers[name] = [
-            ray.remote(GroupWorker).options(
+            # CONTROL: a second thread, for state imports that must not wait for the running call
+            ray.remote(concurrency_groups={CONTROL: 1})(GroupWorker).options(
                 num_cpus=max(bundle[r].num_cpus, 0.01) / share,
                 num_gpus=bundle[r].num_gpus / share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -253,11 +255,17 @@ class Fleet:
         are done (Ray runs an actor's calls in order); the value never passes through the driver."""
         return self.workers[group][0].export_state.remote(column)
 
-    def import_state(self, group: str, column: str, ref: Any) -> list[Any]:
+    def import_state(self, group: str, column: str, ref: Any, now: bool = False) -> list[Any]:
         """Give the ranks of `group` the state column value `ref` (every rank, or ranks 1.. of the
-        group that wrote it: rank 0's value is the one all read); returns the calls to wait on."""
+        group that wrote it: rank 0's value is the one all read); returns the calls to wait on.
+        `now`: on the workers' control thread, while a call may be running (partial rollout; the
+        running call sees the value through ``ctx.state``), instead of after their calls so far."""
         first = 1 if self.plan.op(self.plan.columns[column].producer).group == group else 0
-        return [w.import_state.remote(column, ref) for w in self.workers[group][first:]]
+        calls = []
+        for w in self.workers[group][first:]:
+            method = w.import_state.options(concurrency_group=CONTROL) if now else w.import_state
+            calls.append(method.remote(column, ref))
+        return calls
 
     def state_names(self) -> list[str]:
         """The names of the states a checkpoint holds: ``<group>_<rank>`` per worker, and the source."""

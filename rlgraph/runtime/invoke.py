@@ -73,6 +73,9 @@ class OpContext:
     wanted: tuple[str, ...] = ()  # outputs some op reads or the pipeline keeps; others are dropped (skip computing them)
     # rows the op dropped in this call: index in the call -> (reason, whole group?); see `drop`
     dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    # the state columns this worker holds now (live: a value imported while the call runs shows here;
+    # partial rollout reads newer weights from it mid-call). The call's own inputs are its arguments
+    state: Mapping[str, Any] = field(default_factory=dict)
 
     def drop(self, index: int, reason: str, group: bool = False) -> None:
         """Drop row `index` of this call from training (with `group=True`, every sample of its
@@ -287,7 +290,7 @@ class Invoker:
                 config=self.plan.config, master_addr=self.master_addr, master_port=self.master_port,
                 lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs),
                 group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
-                wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored))
+                wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state)
         return bound.fn(**kwargs), lengths, ctx
 
     def _keep_state(self, op: OpPlan, out: Mapping[str, Any]) -> None:

@@ -447,7 +447,10 @@ class Runner:
                 self._kept[(col, step)] = self.fleet.export_state(group, col)
 
     def _open_gates(self, live: dict[float, _Live], inflight: dict[Any, Any]) -> None:
-        """Open the ops whose cross-step conditions hold; start the weight syncs they wait for."""
+        """Open the ops whose cross-step conditions hold; start the weight syncs they wait for, and
+        the pushes of new weights to the groups that take them mid-call (partial rollout)."""
+        for col, group, version in self.window.pushes(busy=set(self._syncing)):
+            self._start_sync(col, group, version, None, inflight)
         again = True
         while again:
             again = False
@@ -463,10 +466,15 @@ class Runner:
                     self.window.holds_initial(group)
                     again = True  # its gates may open now
                     continue
-                calls = self.fleet.import_state(group, col, self._kept[(col, version)])
-                self._syncing[(col, group)] = [version, len(calls), time.time(), gate.step]
-                for ref in calls:
-                    inflight[ref] = ("sync", col, group)
+                self._start_sync(col, group, version, gate.step, inflight)
+
+    def _start_sync(self, col: str, group: str, version: int, step: float | None, inflight: dict[Any, Any]) -> None:
+        """Move the value `col` had after producer step `version` into `group` (for step `step`'s
+        gate; None: a push). Into a group that takes weights mid-call, at once (the control thread)."""
+        calls = self.fleet.import_state(group, col, self._kept[(col, version)], now=(col, group) in self.window.pushed)
+        self._syncing[(col, group)] = [version, len(calls), time.time(), step]
+        for ref in calls:
+            inflight[ref] = ("sync", col, group)
 
     def _synced(self, waitable: Any, col: str, group: str, live: dict[float, _Live]) -> None:
         self.fleet.get([waitable], f"the weight sync of {col!r} to worker group {group!r}")
@@ -475,7 +483,7 @@ class Runner:
         if entry[1] == 0:
             del self._syncing[(col, group)]
             self.window.holds(col, group, entry[0])
-            if entry[3] in live:
+            if entry[3] is not None and entry[3] in live:
                 live[entry[3]].rec.sync_s += time.time() - entry[2]
 
     def _checkpoint_states(self) -> dict[str, Any]:

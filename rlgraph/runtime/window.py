@@ -12,6 +12,10 @@ that results never depend on timing:
   that value exists, and until its group holds exactly that value: the runner then moves it
   there (`Gate.sync`; a group that must go back to the initial value, after a restore, is
   restarted) and opens the op. A group that writes the column itself reads its own latest value.
+- **Partial rollout.** A stale_ok op with ``partial`` (``rollout.partial``) reads the newest value
+  written before its step, at least the one above; its group is given each new value as soon as
+  it is written, also while it runs (the op may switch to it mid-call). Which value a call uses
+  then depends on timing: the one exception to the rule above, and an opt-in.
 - **Order inside a stateful group.** A group that keeps state (a model, an optimizer, state
   columns) runs its steps in order: no op of it starts step t before every op of it finished
   step t-1. Its state then changes in the same order whatever the timing.
@@ -66,10 +70,15 @@ class Window:
         self.group_of = {op.name: op.group for op in plan.ops}
         self.kept: dict[str, list[int]] = {c: [] for c in self.producer}  # column -> producer steps kept, sorted
         self.dp = {g.name: g.dp for g in plan.groups}
+        # partial rollout: ops that read the newest value written before their step
+        self.partial = {op.name for op in plan.ops if op.lag > 0 and op.params.get("partial")}
         # column -> the groups that must be given it (`moves`); only those columns are exported and kept
         self.given_to = {c: {self.group_of[o] for o in plan.columns[c].consumers if self.moves(c, self.group_of[o])}
                          for c in self.producer}
         self.crossing = {c for c, groups in self.given_to.items() if groups}
+        # (column, group) pairs given each new value as soon as it is written (partial rollout)
+        self.pushed = {(c, self.group_of[o]) for o in self.partial for c in self.state_cols[o]
+                       if self.group_of[o] in self.given_to[c]}
         self.held: dict[tuple[str, str], int | None] = {}  # (column, group) -> producer step it holds
         self.reset_held(initial=True)
         self.first = 0  # steps before this are complete (the run started or restored there)
@@ -158,6 +167,12 @@ class Window:
         if initial:
             self.held.update({(c, g): None for c, groups in self.given_to.items() for g in groups})
 
+    def pushes(self, busy: set[tuple[str, str]]) -> list[tuple[str, str, int]]:
+        """Partial rollout: (column, group, producer step) for each pushed column whose newest value
+        its group does not hold yet (`busy`: pairs with a sync under way; they are asked again)."""
+        return [(c, g, self.kept[c][-1]) for c, g in sorted(self.pushed)
+                if self.kept[c] and (c, g) not in busy and self.held.get((c, g), _UNKNOWN) != self.kept[c][-1]]
+
     # ------------------------------------------------------------------ gates
     def gates(self) -> list[Gate]:
         """For every gated op of every live step whose cross-step conditions hold: open it
@@ -190,7 +205,7 @@ class Window:
                 return None
             if not self.moves(c, group):
                 continue  # written here, on its only rank: it holds its own latest value, in order
-            version = self.version_for(c, upto)
+            version = self.version_for(c, step - 1 if op in self.partial and fixed is None else upto)
             if self.held.get((c, group), _UNKNOWN) != version:
                 return Gate(step, op, (c, group, version))
         return Gate(step, op)

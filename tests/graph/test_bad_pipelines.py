@@ -137,6 +137,9 @@ CHECKED = [
             r"give 'generate' a worker group of its own"),
     Checked("staleness_unused", ("staleness-unused",), (), r"trainer\.max_staleness=2, but no op may run ahead",
             r"set trainer\.max_staleness=0"),
+    Checked("partial_unused", ("partial-unused",), ("generate",),
+            r"rollout\.partial=true, but trainer\.max_staleness=0: op 'generate' then always has the newest weights",
+            r"set trainer\.max_staleness=1 \(with 'generate' in a worker group of its own\), or rollout\.partial=false"),
     Checked("three_problems", ("column-missing", "op-no-group", "group-unused"), ("update", "scroe", "judge", "critic"),
             r"'three_problems' has 3 problems:", r"remove worker group 'critic'"),
 ]

@@ -48,12 +48,13 @@ def test_one_edge_per_column_per_consumer(ppo) -> None:
     # + values 6 (the 5 model inputs + critic_weights)
     # + advantage 7 (token_level_scores, response_mask, uid, is_padding, values, old_log_probs, ref_log_prob)
     # + update_critic 7 (4 model inputs, response_mask, values, returns)
-    # + update_actor 8 (4 model inputs, response_mask, old_log_probs, advantages, and its optional
-    #   policy_version, always read for the staleness guard; its optional ref_log_prob and
+    # + update_actor 9 (4 model inputs, response_mask, old_log_probs, advantages, and its optional
+    #   policy_version and policy_version_end, always read for the staleness guard and metrics; its
+    #   optional ref_log_prob and
     #   rollout_log_probs are not connected: actor.use_kl_loss is false, the KL is in the reward,
     #   and actor.tis_cap and actor.decoupled_cap are 0)
-    # = 2 + 6 + 7 + 5 + 6 + 7 + 7 + 8 = 48
-    assert g.dag.number_of_edges() == 48
+    # = 2 + 6 + 7 + 5 + 6 + 7 + 7 + 9 = 49
+    assert g.dag.number_of_edges() == 49
     # generate -> reward carries prompts, responses, response_mask: three edges keyed by column
     assert set(g.dag.get_edge_data("generate", "reward")) == {"prompts", "responses", "response_mask"}
     for u, v, key, attrs in g.dag.edges(keys=True, data=True):

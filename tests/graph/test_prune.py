@@ -19,9 +19,9 @@ def _pruned(pipeline, overrides=()) -> set[str]:
 
 def test_ppo_prunes_entropy_and_unread_rollout_log_probs(ppo) -> None:
     stored = prune(build(ppo))
-    # 6 source columns (4 + uid, is_padding) + generate 9 (with policy_version) + reward 3 + old_logprob 3
-    # + ref 1 + values 1 + advantage 4 + update_critic 2 + update_actor 2 = 31 columns
-    assert len(stored) == 31
+    # 6 source columns (4 + uid, is_padding) + generate 10 (with policy_version and policy_version_end)
+    # + reward 3 + old_logprob 3 + ref 1 + values 1 + advantage 4 + update_critic 2 + update_actor 2 = 32 columns
+    assert len(stored) == 32
     # nobody reads entropy (no entropy bonus op), and it is not an output; old_logprob reads
     # rollout_log_probs to compare them with its own (compare_rollout, on by default)
     assert _pruned(ppo) == {"entropy"}

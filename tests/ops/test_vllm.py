@@ -83,7 +83,8 @@ def test_same_columns_masks_and_greedy_responses_as_hf(model_dir, invokers):
     hf_parts, hf_cols = _generate(hf, hf_plan, rows, pad)
     vl_parts, vl_cols = _generate(vl, vllm_plan, rows, pad)
     assert set(hf_cols) == set(vl_cols) == {"prompts", "responses", "response_mask", "input_ids", "attention_mask",
-                                            "position_ids", "rollout_log_probs", "policy_version"}
+                                            "position_ids", "rollout_log_probs", "policy_version",
+                                            "policy_version_end"}
     eos = load_tokenizer(model_dir).eos_token_id
     for i in range(len(rows)):
         for c in hf_cols:
@@ -152,6 +153,117 @@ def test_new_weights_reach_the_engine_and_change_its_log_probs(model_dir, invoke
     finally:
         vl.state["policy_weights"] = {"version": 8, "owner": "trainer", "state": {k: v / 1.5 for k, v in state.items()}}
         _generate(vl, vllm_plan, rows, pad)
+
+
+def _engine(model_dir, invokers):
+    (_, _), (vllm_plan, vl) = invokers
+    worker = next(iter(vl.instances.values()))
+    if worker.rollout_engine is None:
+        _generate(vl, vllm_plan, *_prompts(model_dir, 1))
+    return worker, worker.rollout_engine
+
+
+def test_partial_rollout_switches_weights_between_engine_steps(model_dir, invokers):
+    """A refresh between engine steps: tokens drawn before it are the old weights', tokens after it
+    the new ones', and each sample reports the labels of the weights of its first and last token."""
+    from rlgraph.ops.rollout import VERSIONS, vllm_parts
+
+    worker, engine = _engine(model_dir, invokers)
+    rows, pad = _prompts(model_dir, 2)
+    eos = load_tokenizer(model_dir).eos_token_id
+    original = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    scaled = {k: v * 1.5 for k, v in original.items()}
+    old, new = engine.label, engine.label + 100
+
+    def sample(refresh):
+        parts = vllm_parts(engine, rows, pad, eos, n=N, seed=21, temperature=1.0, top_p=1.0, top_k=0,
+                           max_new_tokens=8, logprobs=True, refresh=refresh)
+        return {i: (c["responses"][j].tolist(), c["rollout_log_probs"][j].tolist(),
+                    c[VERSIONS][j] if VERSIONS in c else None) for p, c in parts for j, i in enumerate(p)}
+
+    plain = sample(None)
+    real = [i for i in range(len(rows)) if not pad[i]]
+    assert {plain[i][2] for i in real} == {(old, old)}
+    calls = []
+
+    def switch_once():
+        calls.append(1)
+        if len(calls) == 1:
+            engine.load_weights(scaled, label=new)
+            return True
+        return False
+
+    try:
+        mixed = sample(switch_once)
+    finally:
+        engine.load_weights(original, label=old)
+    assert {mixed[i][2] for i in real} <= {(old, old), (old, new), (new, new)}
+    spanning = [i for i in real if mixed[i][2] == (old, new)]
+    assert spanning, {i: mixed[i][2] for i in real}
+    changed = 0
+    for i in real:
+        tokens, lps, (first, last) = mixed[i]
+        if first == old:  # its first token was drawn before the switch: the same draw as without it
+            assert tokens[0] == plain[i][0][0] and lps[0] == pytest.approx(plain[i][1][0], abs=1e-5)
+        k = 0 if first == new else 1  # the first token drawn after the switch, after the same prefix
+        if last == new and len(plain[i][0]) > k:  # a seeded draw: other weights, another token or log-prob
+            changed += tokens[k] != plain[i][0][k] or abs(lps[k] - plain[i][1][k]) > 1e-3
+    assert changed > 0, [(mixed[i], plain[i]) for i in real]
+    assert sample(None) == plain  # the engine is back on the original weights and label
+
+
+def test_partial_rollout_in_the_generate_body_records_both_versions(model_dir, invokers):
+    """Weights that reach the worker while its generate call runs (ctx.state) are loaded at the next
+    engine step: responses record policy_version and policy_version_end; a version the step may not
+    read yet (written at its own step) is left alone."""
+    from rlgraph.runtime.invoke import OpContext
+
+    worker, _ = _engine(model_dir, invokers)
+    original = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    rows, pad = _prompts(model_dir, 2)
+    lengths = [len(r) for r in rows]
+    ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    base, version0 = worker.version + 1, worker.policy_version
+
+    def run(step, offer):
+        state = {}
+        ctx = OpContext(op="generate", group="actor", rank=0, dp=1, step=step, chunk=0, seed=5,
+                        rows=tuple(range(len(rows))), is_padding=tuple(pad), lengths={"prompt_len": tuple(lengths)},
+                        group_size=N, wanted=("rollout_log_probs",), state=state)
+        body = worker.generate(ids, None, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, stop_token_ids="",
+                               micro_batch_size=16, partial=True, ctx=ctx)
+        parts = []
+        while True:
+            try:
+                parts.append(next(body))
+            except StopIteration as stop:
+                metrics = stop.value["rollout_metrics"]
+                break
+            if len(parts) == 1:  # the padding part comes first, before the engine runs: new weights arrive
+                state["policy_weights"] = offer
+        cols: dict[str, dict] = {}
+        for positions, part in parts:
+            for c, vals in part.items():
+                cols.setdefault(c, {}).update(zip(positions, vals))
+        return cols, metrics
+
+    offer = {"version": base, "policy_version": version0 + 3, "owner": "trainer",
+             "state": {k: v * 1.5 for k, v in original.items()}}
+    try:
+        too_new, m = run(step=base, offer=offer)  # written at the step itself: not for this step
+        assert m["partial_swaps"] == 0 and m["partial_frac"] == 0.0
+        assert {int(v) for v in too_new["policy_version_end"].values()} == {version0}
+        cols, m = run(step=base + 1, offer=offer)
+        assert m["partial_swaps"] == 1 and m["partial_swap_bytes"] > 100_000 and 0 < m["partial_frac"] <= 1
+        real = [i for i in range(len(rows)) if not pad[i]]
+        first = {int(cols["policy_version"][i]) for i in real}
+        last = {int(cols["policy_version_end"][i]) for i in real}
+        assert first == {version0} and version0 + 3 in last  # started on the old weights, finished on the new
+        assert worker.version == base and worker.policy_version == version0 + 3
+    finally:
+        worker._sync({"version": base + 1, "owner": "trainer", "policy_version": version0, "state": original})
 
 
 def test_a_dead_engine_process_is_a_typed_error_naming_the_rank_and_is_restarted(model_dir, invokers):

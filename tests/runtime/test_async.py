@@ -24,10 +24,17 @@ def test_the_update_refuses_samples_older_than_max_staleness():
     worker = ActorWorker.__new__(ActorWorker)  # the guard alone: no model needed
     worker.policy_version, worker.max_staleness = 5, 1
     ctx = SimpleNamespace(is_padding=[False, False, True], step=7)
-    got = worker._staleness(torch.tensor([4, 5, 0]), ctx)  # the padding row's version is not looked at
+    got = worker._staleness(torch.tensor([4, 5, 0]), None, ctx)  # the padding row's version is not looked at
     assert got == {"staleness_mean": 0.5, "staleness_max": 1.0}
     with pytest.raises(StalenessError, match=r"versions \[3, 5\].*version 5; trainer.max_staleness=1 allows 4..5"):
-        worker._staleness(torch.tensor([3, 5, 5]), ctx)
+        worker._staleness(torch.tensor([3, 5, 5]), None, ctx)
+    # partial rollout: the first sample finished on the current weights
+    got = worker._staleness(torch.tensor([4, 5, 0]), torch.tensor([5, 5, 0]), ctx)
+    assert got == {"staleness_mean": 0.5, "staleness_max": 1.0, "staleness_end_mean": 0.0}
+    with pytest.raises(StalenessError, match=r"policy_version_end is below its policy_version"):
+        worker._staleness(torch.tensor([4, 5, 0]), torch.tensor([3, 5, 0]), ctx)
+    with pytest.raises(StalenessError, match=r"or above this policy's version 5"):
+        worker._staleness(torch.tensor([4, 5, 0]), torch.tensor([6, 5, 0]), ctx)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +118,19 @@ def test_max_staleness_zero_is_on_policy_and_schedules_agree(model_dir, tq_plane
     sync = _run(plan, tmp_path / "sync", tq_plane, steps=3, schedule="sync")
     assert _stable(stream) == _stable(sync)
     assert [r[STALE + "max"] for r in stream] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.ray
+def test_partial_rollout_weights_reach_a_running_call(tq_plane, tmp_path):
+    """The runtime pushes each new weight version to the rollout while its call runs (the workers'
+    control thread): the call of step t, started on the weights of step t-2, waits for and gets those
+    of step t-1, never a later one. With the push off (partial=false) it keeps its start version."""
+    pipeline, ref = load_pipeline(str(ROOT / "tests" / "resources" / "partial_pipeline.py"))
+    on = run_plan(compile(pipeline, [], pipeline_ref=ref), RunOptions(out_dir=tmp_path / "on", timeout_s=120),
+                  plane=tq_plane)
+    got = [(r["update/update_metrics/v_start"], r["update/update_metrics/v_end"],
+            r["update/update_metrics/v_end_min"]) for r in on]
+    assert got == [(-1.0, -1.0, -1.0), (-1.0, 0.0, 0.0), (0.0, 1.0, 1.0), (1.0, 2.0, 2.0)]
+    off = run_plan(compile(pipeline, ["gen.partial=false", "gen.wait_s=0"], pipeline_ref=ref),
+                   RunOptions(out_dir=tmp_path / "off", timeout_s=120), plane=tq_plane)
+    assert [r["update/update_metrics/v_end"] for r in off] == [-1.0, -1.0, 0.0, 1.0]

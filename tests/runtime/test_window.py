@@ -122,6 +122,27 @@ def test_after_a_restore_the_rollout_is_given_its_version_or_sent_back_to_the_in
     assert [g.sync for g in window.gates() if g.op == "generate"] == [("policy_weights", "rollout", 2)]
 
 
+def test_partial_rollout_reads_the_newest_version_written_before_its_step_and_is_pushed_it():
+    plan = _plan("trainer.max_staleness=2", "rollout.partial=true")
+    uids = [u for u in range(4) for _ in range(2)]
+    window = Window(plan, STATEFUL)
+    assert window.partial == {"generate"} and window.pushed == {("policy_weights", "rollout")}
+    assert window.pushes(busy=set()) == []  # nothing written yet: the rollout holds the initial weights
+    window.first = 5
+    window.kept["policy_weights"] = [1, 2, 3]  # update_actor finished steps 1..3, step 4 still running
+    window.holds("policy_weights", "rollout", 1)
+    window.admit(5, StepScheduler(plan, uids, [False] * 8, 5, gated=window.gated_ops()))
+    # without partial, step 5 reads step 2's weights (5 - 1 - 2); with it, the newest before step 5
+    assert [g.sync for g in window.gates() if g.op == "generate"] == [("policy_weights", "rollout", 3)]
+    assert window.pushes(busy=set()) == [("policy_weights", "rollout", 3)]
+    assert window.pushes(busy={("policy_weights", "rollout")}) == []  # one sync at a time, asked again later
+    window.holds("policy_weights", "rollout", 3)
+    assert window.pushes(busy=set()) == [] and [g.sync for g in window.gates() if g.op == "generate"] == [None]
+    # a plan without it: the fixed version, and no pushes
+    plain = Window(_plan("trainer.max_staleness=2"), STATEFUL)
+    assert plain.partial == set() and plain.pushed == set()
+
+
 def test_kept_versions_are_pruned_once_no_step_can_read_them():
     plan = _plan("trainer.max_staleness=1")
     window = Window(plan, STATEFUL)
