@@ -126,7 +126,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 MARK = "<!-- bench:{}:{} -->"
-ORDER = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "findings"]
+ORDER = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "findings"]
 HEADER = """# Performance
 
 Every speed claim of rlgraph has a benchmark under `benchmarks/` that measures its comparison in

@@ -15,6 +15,7 @@ config. Exit status: 0 success; 1 a problem with the pipeline, its config or a p
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import signal
@@ -264,8 +265,10 @@ def _interrupt_on_signals() -> None:
               help="Where columns live between ops [default: dataplane.backend].")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Longest wait, in seconds, for any single op call or start-up step.")
+@click.option("--verbose", is_flag=True,
+              help="Show the actors' own output (Ray's notices, vLLM's logs, worker-death dumps) and log long waits.")
 def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: int | None, schedule: str | None,
-        address: str | None, resume: bool, dataplane: str | None, timeout_s: float) -> None:
+        address: str | None, resume: bool, dataplane: str | None, timeout_s: float, verbose: bool) -> None:
     """Run a plan (or compile and run a pipeline) on Ray.
 
     Writes DIR/metrics.jsonl (one JSON object per step), DIR/reward_curve.svg, DIR/trace.json
@@ -280,9 +283,12 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     if not _is_plan(target):
         plan.save(out / "plan.json")
         _draw(plan, out / "pipeline.svg")
+    if verbose:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("rlgraph").setLevel(logging.INFO)
     options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
                          timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out),
-                         on_ray_started=_interrupt_on_signals)
+                         on_ray_started=_interrupt_on_signals, verbose=verbose)
     _interrupt_on_signals()
     try:
         records = run_plan(plan, options)

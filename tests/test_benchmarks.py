@@ -180,3 +180,22 @@ def test_staleness_quick(tmp_path, planes):
     head, *body = [r for i, r in enumerate(rows) if i != 1]
     modes = [dict(zip(head, b))["mode"] for b in body if len(b) == len(head)]
     assert modes[:4] == ["sync", "stream", "k=1", "k=2"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_leaks_quick(tmp_path, planes):
+    """The long-run sampler on a few steps: every quantity is measured (non-zero) and tabled."""
+    from benchmarks import leaks
+
+    doc = tmp_path / "perf.md"
+    common.write_section(leaks.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "leaks")
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    got = {b[0]: dict(zip(head, b)) for b in body[:4]}  # the summary table; the samples follow
+    assert set(got) == {"driver resident memory (MiB)", "actors' resident memory, summed (MiB)",
+                        "object store used (MiB)", "Ray session directory (MiB)"}
+    assert [b[0] for b in body if b[0].isdigit()] == ["2", "4", "6"]  # a sample every 2 steps
+    assert num(got["driver resident memory (MiB)"]["after step 6"]) > 50
+    assert num(got["actors' resident memory, summed (MiB)"]["after step 6"]) > 100
+    assert num(got["Ray session directory (MiB)"]["after step 6"]) > 0

@@ -101,14 +101,17 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         for col, want in o.inputs.items():
             prods = g.producers.get(col, ())
             if not prods:
-                if col in o.optional_inputs or want.kind == "state":
+                if col in o.optional_inputs:
                     continue
                 missing.append(col)
+                kind = "state column" if want.kind == "state" else "column"
                 add(Problem("column-missing",
-                            f"op {o.name!r} reads column {col!r}, which no op and not the data source produces"
+                            f"op {o.name!r} reads {kind} {col!r}, which no op and not the data source produces"
+                            + (" (it would read None at every step)" if want.kind == "state" else "")
                             + _close(col, produced),
                             f"add an op that outputs {col!r}, add it to the data source's columns, or rename "
-                            f"the input", op=o.name, column=col))
+                            f"the input" + (" (or declare it optional)" if want.kind == "state" else ""),
+                            op=o.name, column=col))
                 continue
             have = g.column_types[col]
             why = have.compatible_with(want)

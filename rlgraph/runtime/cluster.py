@@ -17,7 +17,8 @@ from rlgraph.errors import RLGraphError
 from rlgraph.graph.packing import Slot, pack
 from rlgraph.graph.plan import Plan
 
-__all__ = ["ClusterError", "RayHandle", "force_loopback", "start_ray", "missing_resources", "check_cluster"]
+__all__ = ["ClusterError", "RayHandle", "check_cluster", "dead_actors", "force_loopback", "missing_resources",
+           "start_ray"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -62,19 +63,25 @@ def force_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def start_ray(plan: Plan, address: str | None = None) -> RayHandle:
+def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> RayHandle:
     """Join `address`, or start Ray locally on 127.0.0.1 sized from the plan.
 
-    An already initialised Ray (e.g. a test session's) is reused and left running.
+    An already initialised Ray (e.g. a test session's) is reused and left running. The actors'
+    own output (Ray's notices, engine logs, worker-death dumps) reaches this terminal only when
+    `verbose`; it is always in Ray's session logs (/tmp/ray/session_latest/logs).
     """
+    import logging
+
     import ray
 
     os.environ.setdefault("TQ_NUM_THREADS", "2")
+    if not verbose:  # Ray's own notices (token authentication, start-up) are not the user's business
+        logging.getLogger("ray").setLevel(logging.ERROR)
     if ray.is_initialized():
         return RayHandle(started_here=False, address=None)
     if address:
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=verbose)
         except Exception as e:
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {type(e).__name__}: {e}; check the "
                                f"address (ray status on the head node prints it)") from e
@@ -94,7 +101,7 @@ def start_ray(plan: Plan, address: str | None = None) -> RayHandle:
             num_gpus=_local_gpus(),
             include_dashboard=False,
             _node_ip_address=LOOPBACK,
-            log_to_driver=True,
+            log_to_driver=verbose,
             configure_logging=False,
         )
     except Exception as e:
@@ -142,3 +149,20 @@ def check_cluster(plan: Plan) -> None:
             + "\nfix: recompile for this cluster (cluster.cpus_per_node=..., groups.<name>.dp=..., "
             "groups.<name>.num_cpus=...), or add nodes"
         )
+
+
+def dead_actors(actors: dict[str, object]) -> list[str]:
+    """The names of those `actors` (name -> Ray actor handle) that Ray's control store (GCS)
+    records as dead: a lookup per actor, no call into it, so a busy actor is never mistaken for
+    a dead one and a dead one is seen within a poll, not after a request's timeout."""
+    from ray._private import state  # the GCS actor table; ray.util.state would need the dashboard
+
+    dead = []
+    for name, handle in actors.items():
+        try:
+            info = state.actors(actor_id=handle._actor_id.hex())  # type: ignore[attr-defined]
+        except Exception:  # the GCS is unreachable: the run's own waits will say so
+            continue
+        if info and info.get("State") == "DEAD":
+            dead.append(name)
+    return dead

@@ -17,24 +17,31 @@ knows what state to restore.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Iterable, Mapping
 
 from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.cluster import RayHandle, check_cluster, start_ray
+from rlgraph.runtime.cluster import RayHandle, check_cluster, dead_actors, start_ray
+from rlgraph.runtime.dataplane.base import DataPlaneDied
 from rlgraph.runtime.scheduler import Call
 
-__all__ = ["Fleet", "SOURCE"]
+__all__ = ["Fleet", "PLANE", "SOURCE"]
 
 SOURCE = "source"  # the data source's name in `dead()` and in checkpoint states
 CONTROL = "control"  # the worker actors' concurrency group for imports during a call
+PLANE = "data plane"  # the data plane's name among the dead (`rlgraph.runtime.runner`)
+WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
+SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
+log = logging.getLogger("rlgraph.runtime")
 
 
 class Fleet:
     """Ray, the data plane, the worker actors and the source of one run. Use as a context manager."""
 
     def __init__(self, plan: Plan, timeout_s: float, dataplane: str | None = None, address: str | None = None,
-                 plane: Any = None, on_ray_started: Any = None) -> None:
+                 plane: Any = None, on_ray_started: Any = None, verbose: bool = False) -> None:
         """`plane`: an already started data plane to use (and leave running), e.g. a test session's."""
         self.plan = plan
         self.timeout_s = timeout_s
@@ -42,6 +49,7 @@ class Fleet:
         self._backend = dataplane or plan.config.get("dataplane", {}).get("backend", "transferqueue")
         self._address = address
         self._on_ray_started = on_ray_started
+        self._verbose = verbose
         self._own_plane = plane is None
         self.plane: Any = plane
         self.ray: RayHandle | None = None
@@ -67,7 +75,7 @@ class Fleet:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.ray = start_ray(self.plan, self._address)
+        self.ray = start_ray(self.plan, self._address, self._verbose)
         if self._on_ray_started:
             self._on_ray_started()
         check_cluster(self.plan)  # before any actor: fail with a list, never hang
@@ -153,6 +161,31 @@ class Fleet:
             self._setup_groups(names)
         return sum(len(self.workers[g]) for g in names)
 
+    def plane_dead(self) -> list[str]:
+        """The data-plane actors that died (by name; [] while all live)."""
+        return dead_actors(self.plane.actors()) if self.plane is not None else []
+
+    def restart_plane(self) -> int:
+        """Replace a data plane that lost an actor with a new one, and restart every worker group
+        and the source on it (their clients, and calls blocked on the dead actor, go with their
+        processes). Their state is what setup gives; the runner restores it. Returns the actors
+        started."""
+        import ray
+
+        dead = self.plane_dead()
+        if not self._own_plane:
+            raise DataPlaneDied(dead or ["(unknown)"], "it was given to this run, which cannot restart it")
+        old, self.plane = self.plane, None
+        for handle in old.actors().values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already dead
+                pass
+        old.close()
+        self.plane = self._start_dataplane()
+        self.restart_source()
+        return self.restart(list(self.workers))
+
     def restart_source(self) -> None:
         import ray
 
@@ -206,9 +239,10 @@ class Fleet:
         import ray
 
         try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise StepTimeout(f"timed out after {self.timeout_s:g}s waiting for {what}") from None
+            ready, _ = self._watched_wait(refs, len(refs), what)
+            if len(ready) < len(refs):
+                raise StepTimeout(f"timed out after {self.timeout_s:g}s waiting for {what}")
+            return ray.get(refs)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(getattr(e, "cause", None), RLGraphError) else None
             if cause is not None:
@@ -227,13 +261,34 @@ class Fleet:
             return worker.run_chunk_stream.options(num_returns="streaming").remote(*args)
         return worker.run_chunk.remote(*args)
 
-    def wait(self, waitables: list[Any]) -> list[Any]:
+    def wait(self, waitables: list[Any], what: Any = "op calls and weight syncs") -> list[Any]:
         """Those of `waitables` with a result ready (a finished call, a streaming call's next part),
-        waiting up to the timeout for the first one."""
+        waiting up to the timeout for the first one. `what`: a text, or a callable giving one,
+        for the log line of a long wait."""
+        done, _ = self._watched_wait(waitables, 1, what)
+        return done
+
+    def _watched_wait(self, waitables: list[Any], num: int, what: Any) -> tuple[list[Any], list[Any]]:
+        """``ray.wait`` for `num` of `waitables` up to the run's timeout, asking every `WATCH_S`
+        whether a data-plane actor died (`DataPlaneDied`: a call blocked on it would wait its own
+        timeout, minutes, and a dead plane answers nothing). A wait longer than `SAY_WAIT_S` is
+        logged once, naming what it waits for."""
         import ray
 
-        done, _ = ray.wait(waitables, num_returns=1, timeout=self.timeout_s)
-        return done
+        start = time.monotonic()
+        deadline, said = start + self.timeout_s, False
+        while True:
+            left = deadline - time.monotonic()
+            ready, rest = ray.wait(waitables, num_returns=num, timeout=max(0.0, min(WATCH_S, left)))
+            if len(ready) >= num or left <= WATCH_S:
+                return ready, rest
+            dead = self.plane_dead()
+            if dead:
+                raise DataPlaneDied(dead, f"waiting for {what() if callable(what) else what}")
+            if not said and time.monotonic() - start > SAY_WAIT_S:
+                said = True
+                log.info("still waiting after %.0fs (timeout %gs) for %s", time.monotonic() - start, self.timeout_s,
+                         what() if callable(what) else what)
 
     def result(self, waitable: Any, what: str) -> Any:
         """The ready result of a waitable `wait` returned: a call's `CallResult`, or a streaming

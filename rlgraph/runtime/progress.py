@@ -31,6 +31,7 @@ class Reporter:
     def step_started(self, step: int, chunks: Mapping[str, int]) -> None: ...
     def chunk_done(self, step: int, op: str) -> None: ...
     def step_done(self, record: Mapping[str, Any]) -> None: ...
+    def fault(self, message: str) -> None: ...  # one line per fault: what died, what was done about it
     def close(self) -> None: ...
 
 
@@ -49,6 +50,9 @@ class LogReporter(Reporter):
     def step_done(self, record: Mapping[str, Any]) -> None:
         print(f"step {record['step']}/{self.total - 1} {_headline(record, self.headline)}", file=self.stream,
               flush=True)
+
+    def fault(self, message: str) -> None:
+        print(f"rlgraph: {message}", file=self.stream, flush=True)
 
 
 class RichReporter(Reporter):
@@ -81,6 +85,9 @@ class RichReporter(Reporter):
     def step_done(self, record: Mapping[str, Any]) -> None:
         self.progress.update(self.steps_task, advance=1, info=_headline(record, self.headline))
 
+    def fault(self, message: str) -> None:
+        self.progress.console.print(f"rlgraph: {message}")
+
     def close(self) -> None:
         self.progress.stop()
 
@@ -108,7 +115,7 @@ class _Many(Reporter):
         self.reporters = reporters
 
     def __getattribute__(self, name: str):
-        if name in ("start", "step_started", "chunk_done", "step_done", "close"):
+        if name in ("start", "step_started", "chunk_done", "step_done", "fault", "close"):
             def fan_out(*a: Any, **k: Any) -> None:
                 for r in object.__getattribute__(self, "reporters"):
                     getattr(r, name)(*a, **k)

@@ -41,7 +41,8 @@ from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.checkpoint import check_compatible, checkpoint_step, has_state, latest_checkpoint, \
     read_checkpoint, write_checkpoint
-from rlgraph.runtime.fleet import SOURCE, Fleet
+from rlgraph.runtime.dataplane.base import DataPlaneDied
+from rlgraph.runtime.fleet import PLANE, SOURCE, Fleet
 from rlgraph.runtime.metrics import MetricsWriter, step_metrics, write_curve_svg
 from rlgraph.runtime.progress import Reporter
 from rlgraph.runtime.scheduler import Call, Repair, Slots, StepScheduler, repair_for
@@ -86,6 +87,7 @@ class RunOptions:
     #                             ray.init replaces the driver's SIGTERM handler with its own)
     max_retries: int | None = None  # default: the plan's trainer.max_retries
     faults: list[Fault] = field(default_factory=list)  # fault injection (tests)
+    verbose: bool = False  # the actors' own output (Ray, engines) on this terminal; long waits logged
 
 
 class _Restore(Exception):
@@ -143,7 +145,8 @@ class Runner:
         self.depth = int(trainer.get("max_staleness", 0)) + 1  # steps in flight
         self.max_retries = int(options.max_retries if options.max_retries is not None
                                else trainer.get("max_retries", 2))
-        self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started)
+        self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
+                           options.verbose)
         self.reporter: Reporter = options.reporter or Reporter()
         self.all_spans: list[Span] = []
         self.headline = [f"{name}/mean" for name in plan.summaries.values()]
@@ -200,6 +203,10 @@ class Runner:
                     self._drive(first, self.steps, lambda lv, m: self._step_done(lv, m, out, writer, records))
                 except _Restore as r:  # counted where it was raised
                     pending = r
+                except DataPlaneDied as e:  # seen by a wait's watch, or by a call of the driver's own
+                    self._abandon()
+                    self._count_failure(self._next, e)
+                    pending = _Restore(e, {PLANE})
                 except ray.exceptions.RayActorError as e:  # an actor died outside an op call
                     self._abandon()
                     self._count_failure(self._next, e)
@@ -340,12 +347,10 @@ class Runner:
                     raise StepTimeout(f"steps {sorted(lv.step for lv in live.values())} cannot make progress: "
                                       f"nothing is running and nothing is ready; pending: "
                                       f"{ {lv.step: lv.sched.unfinished() for lv in live.values()} }")
-                done = self.fleet.wait(list(inflight))
+                done = self.fleet.wait(list(inflight), what=lambda: ", ".join(_running(inflight)))
                 if not done:
-                    running = sorted({f"step {k[0]}: {k[1].chunk.op}[{k[1].chunk.index}] on {k[1].group}[{k[1].rank}]"
-                                      if k[0] != "sync" else f"weight sync of {k[1]!r} to {k[2]!r}"
-                                      for k in inflight.values()})
-                    raise StepTimeout(f"no op call finished within {self.opts.timeout_s:g}s; running: {running}; "
+                    raise StepTimeout(f"no op call finished within {self.opts.timeout_s:g}s; running: "
+                                      f"{_running(inflight)}; "
                                       f"pending: { {lv.step: lv.sched.unfinished() for lv in live.values()} }")
                 for waitable in done:
                     what = inflight.pop(waitable)
@@ -367,9 +372,11 @@ class Runner:
                         inflight[waitable] = what
                         continue
                     self._finish(call, result, lv)
-        except BaseException:
-            for lv in live.values():
-                self.fleet.plane.clear(lv.partition)
+        except BaseException as e:
+            plane_lost = isinstance(e, DataPlaneDied) or (isinstance(e, _Restore) and PLANE in e.dead)
+            if not plane_lost:  # a dead plane has nothing to clear, and answers nothing
+                for lv in live.values():
+                    self.fleet.plane.clear(lv.partition)
             self._abandon()
             raise
 
@@ -523,15 +530,22 @@ class Runner:
         step = lv.step
         if isinstance(e, InvariantError):  # a bug, not a transient failure: retrying cannot help
             raise e
+        lost = self.fleet.plane_dead()
+        if lost:  # the call failed because the data plane did: nothing runs until it is replaced
+            e = DataPlaneDied(lost, f"running op {call.chunk.op!r} at step {step}")
+            self._count_failure(step, e)
+            raise _Restore(e, {PLANE})
         died = isinstance(e, ray.exceptions.RayActorError)
         if died:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             e = WorkerDiedError(f"worker {call.group}[{call.rank}] died while running op {call.chunk.op!r} at step "
-                                f"{step} (chunk {call.chunk.index}, {len(call.rows)} rows): {type(e).__name__}: "
-                                f"{first} (its log is under /tmp/ray/session_latest/logs)")
+                                f"{step} (chunk {call.chunk.index}, {len(call.rows)} rows): {_first_line(e)} "
+                                f"(its log is under /tmp/ray/session_latest/logs)")
         self._count_failure(step, e)
         action = repair_for(self.plan, call.chunk.op, died, self.fleet.stateful[call.group])
+        what = (f"worker {call.group}[{call.rank}] died" if died else
+                f"op {call.chunk.op!r} failed on {call.group}[{call.rank}] ({_first_line(e)})")
         if action is Repair.RESTORE:
+            self.reporter.fault(f"{what} at step {step}; restoring every worker and replaying")
             raise _Restore(e, {call.group} if died else set())
         lost = [(lv, call)]
         if action is Repair.RESTART_GROUP:  # then run again what the group had in flight, of every step
@@ -539,20 +553,32 @@ class Runner:
                 key, c = inflight.pop(ref)
                 lost.append((live[key], c))
             lv.rec.restarts += self.fleet.restart([call.group])
+        self.reporter.fault(f"{what} at step {step}; " + ("restarted group " + repr(call.group) + ", " if
+                                                         action is Repair.RESTART_GROUP else "")
+                            + f"running {len(lost)} call(s) again")
         for owner, c in lost:
             self._submit(c, owner, inflight)
 
     def _recover(self, step: int, out: Path, r: _Restore) -> int:
         """Restore every worker and the source to the latest checkpoint (or the initial state);
         returns the first step to run again (the steps before `step` are replayed, not written)."""
-        dead = self.fleet.dead() | r.dead
         ckpt = latest_checkpoint(out)
         if ckpt is not None and checkpoint_step(ckpt) >= step:  # written by a later attempt: not ours
             ckpt = None
-        # nothing saved: back to the state the run started from, every group
-        self.fleet.restart(list(self.fleet.workers) if ckpt is None else [g for g in dead if g in self.fleet.workers])
-        if SOURCE in dead:
-            self.fleet.restart_source()
+        where = f"the checkpoint of step {checkpoint_step(ckpt)}" if ckpt is not None else "the start"
+        lost = sorted(r.cause.dead) if isinstance(r.cause, DataPlaneDied) else self.fleet.plane_dead()
+        if PLANE in r.dead or lost:
+            t0 = time.time()
+            self.fleet.restart_plane()  # a new plane; every group and the source restarted on it
+            self.reporter.fault(f"the data plane's {', '.join(lost) or 'actor'} died at step {step}; started a new "
+                                f"data plane and every worker in {time.time() - t0:.1f}s, replaying from {where}")
+        else:
+            dead = self.fleet.dead() | r.dead
+            # nothing saved: back to the state the run started from, every group
+            self.fleet.restart(list(self.fleet.workers) if ckpt is None
+                               else [g for g in dead if g in self.fleet.workers])
+            if SOURCE in dead:
+                self.fleet.restart_source()
         self._last_end.clear()
         if ckpt is not None:
             return self._restore(ckpt) + 1
@@ -591,6 +617,18 @@ class Runner:
 
 
 _VERSIONS = "state_versions"  # the checkpoint entry holding the kept state-column values
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's type and the first line of its message, for a one-line fault report."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+
+
+def _running(inflight: dict[Any, Any]) -> list[str]:
+    """What the event loop waits for, for people: each call in flight, each weight sync."""
+    return sorted({f"step {k[0]}: {k[1].chunk.op}[{k[1].chunk.index}] on {k[1].group}[{k[1].rank}]"
+                   if k[0] != "sync" else f"weight sync of {k[1]!r} to {k[2]!r}" for k in inflight.values()})
 
 
 def prepare(plan: Plan) -> None:

@@ -137,6 +137,9 @@ CHECKED = [
             r"give 'generate' a worker group of its own"),
     Checked("staleness_unused", ("staleness-unused",), (), r"trainer\.max_staleness=2, but no op may run ahead",
             r"set trainer\.max_staleness=0"),
+    Checked("state_unproduced", ("column-missing",), ("judge", "judge_weights"),
+            r"op 'judge' reads state column 'judge_weights', which no op and not the data source produces "
+            r"\(it would read None at every step\)", r"add an op that outputs 'judge_weights'"),
     Checked("partial_unused", ("partial-unused",), ("generate",),
             r"rollout\.partial=true, but trainer\.max_staleness=0: op 'generate' then always has the newest weights",
             r"set trainer\.max_staleness=1 \(with 'generate' in a worker group of its own\), or rollout\.partial=false"),

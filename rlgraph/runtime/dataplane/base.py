@@ -58,6 +58,20 @@ class DataPlaneError(RLGraphError):
     or a wait on it timed out. The message names the partition, column or resource."""
 
 
+class DataPlaneDied(DataPlaneError):
+    """A process of the data plane (a TransferQueue controller or storage unit, the Ray store's
+    tracker) died. The runner restarts the plane and replays the step; the message names it."""
+
+    def __init__(self, dead: list[str] | str, what: str = "") -> None:
+        if isinstance(dead, str):  # a whole message (the same failure, told with more context)
+            self.dead: list[str] = []
+            super().__init__(dead)
+            return
+        self.dead = list(dead)
+        super().__init__(f"the data plane's {', '.join(self.dead)} died" + (f" while {what}" if what else "")
+                         + "; rlgraph restarts the data plane and every worker, and replays the step")
+
+
 # --------------------------------------------------------------------------- byte counter
 # Payload bytes that went through put/get in *this process*, whatever plane or client did it.
 # The driver reads it to check that payload does not pass through it (it should stay ~0).
@@ -226,6 +240,10 @@ class DataPlane(DataPlaneClient):
     @abstractmethod
     def handle(self) -> DataPlaneHandle:
         """What a worker needs to connect: pass it to actors, call ``connect()`` there."""
+
+    def actors(self) -> dict[str, Any]:
+        """The plane's Ray actors by a name for people (watched for deaths by the runner)."""
+        return {}
 
     def payload_bytes_in_this_process(self) -> int:
         """Column payload bytes that went through put/get in this (the driver's) process.

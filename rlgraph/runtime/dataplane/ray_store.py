@@ -29,6 +29,7 @@ from rlgraph.runtime.dataplane.base import (
     ColumnData,
     DataPlane,
     DataPlaneClient,
+    DataPlaneDied,
     DataPlaneError,
     DataPlaneHandle,
     _Column,
@@ -38,6 +39,7 @@ from rlgraph.runtime.dataplane.base import (
 __all__ = ["RayObjectStoreDataPlane", "RayObjectStoreHandle"]
 
 _MAX_LISTED = 8  # rows named in an error message before "..."
+TRACKER = "Ray-store row tracker"
 
 
 def _listed(rows: list[int]) -> str:
@@ -142,8 +144,8 @@ class _RayStoreClient(DataPlaneClient):
             return ray.get(ref, timeout=self._timeout)
         except ray.exceptions.GetTimeoutError:
             raise DataPlaneError(f"timed out after {self._timeout}s waiting for the row tracker to {what}") from None
-        except ray.exceptions.RayActorError as e:
-            raise DataPlaneError(f"the row tracker died while asked to {what} (was the plane closed?): {e}") from None
+        except ray.exceptions.RayActorError:
+            raise DataPlaneDied([TRACKER], f"asked to {what}") from None
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         refs = {name: ray.put(col.value) for name, col in columns.items()}
@@ -236,6 +238,9 @@ class RayObjectStoreDataPlane(_RayStoreClient, DataPlane):
 
     def handle(self) -> RayObjectStoreHandle:
         return RayObjectStoreHandle(self._tracker, self._timeout)
+
+    def actors(self) -> dict[str, Any]:
+        return {TRACKER: self._tracker}
 
     def close(self) -> None:
         if self._closed or os.getpid() != self._owner_pid:

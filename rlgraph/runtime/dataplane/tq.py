@@ -31,11 +31,12 @@ listen on 127.0.0.1 only.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 # TQ reads TQ_NUM_THREADS at import; its default (8) exceeds small machines' cores and makes
 # every put/get log a warning. An explicit setting by the user wins.
@@ -53,11 +54,14 @@ from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
     DataPlane,
     DataPlaneClient,
+    DataPlaneDied,
     DataPlaneError,
     DataPlaneHandle,
     _Column,
+    _nbytes,
     assemble_rows,
 )
+from rlgraph.runtime.cluster import dead_actors  # noqa: E402
 
 __all__ = [
     "TransferQueueConfig",
@@ -67,6 +71,7 @@ __all__ = [
     "tq_resource_problems",
 ]
 
+WATCH_S = 1.0  # how often a driver-side wait asks whether a plane actor died
 CONTROLLER_NAME = "TransferQueueController"  # fixed by tq.init
 CONTROLLER_NAMESPACE = "transfer_queue"
 STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"  # fixed by TQ's SimpleStorage bootstrap
@@ -144,12 +149,21 @@ class _Loop:
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
-    def run(self, coro: Awaitable[Any], timeout: float, what: str) -> Any:
+    def run(self, coro: Awaitable[Any], timeout: float, what: str,
+            watch: Callable[[], list[str]] | None = None) -> Any:
+        """`coro`'s result, waiting up to `timeout`; `watch` (the names of dead plane actors) is
+        asked every `WATCH_S` meanwhile, and a death ends the wait with `DataPlaneDied`."""
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
-        try:
-            return fut.result()
-        except asyncio.TimeoutError:
-            raise DataPlaneError(f"timed out after {timeout}s waiting for TransferQueue to {what}") from None
+        while True:
+            try:
+                return fut.result(timeout=WATCH_S if watch is not None else None)
+            except concurrent.futures.TimeoutError:
+                dead = watch() if watch is not None else []
+                if dead:
+                    fut.cancel()
+                    raise DataPlaneDied(dead, f"waiting for TransferQueue to {what}") from None
+            except asyncio.TimeoutError:
+                raise DataPlaneError(f"timed out after {timeout}s waiting for TransferQueue to {what}") from None
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -189,6 +203,8 @@ class _TQClient(DataPlaneClient):
 
     def __init__(self, controller: Any, op_timeout_s: float) -> None:
         self._timeout = op_timeout_s
+        self._watch: Callable[[], list[str]] | None = None  # the driver's: names of dead plane actors
+        own_timeouts(op_timeout_s)
         try:
             conf = ray.get(controller.get_config.remote(), timeout=op_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -207,8 +223,9 @@ class _TQClient(DataPlaneClient):
             raise DataPlaneError(f"could not connect to TransferQueue's storage: {e}") from e
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
 
-    def _run(self, coro: Awaitable[Any], what: str) -> Any:
-        return self._loop.run(coro, self._timeout, what)
+    def _run(self, coro: Awaitable[Any], what: str, nbytes: int = 0) -> Any:
+        # a large payload gets longer than the op timeout: at least 20 MB/s on top of it
+        return self._loop.run(coro, self._timeout + nbytes / 20e6, what, self._watch)
 
     def _meta(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...] = ()) -> BatchMeta:
         """A TQ BatchMeta for `rows` of `partition`: their global indexes, looked up by key."""
@@ -234,7 +251,8 @@ class _TQClient(DataPlaneClient):
         meta = self._meta(partition, rows)
         data = TensorDict({name: _to_tq(col) for name, col in columns.items()}, batch_size=len(rows))
         self._run(self._client.async_put(data, metadata=meta),
-                  f"put columns {sorted(columns)} to partition {partition!r}")
+                  f"put columns {sorted(columns)} to partition {partition!r}",
+                  nbytes=sum(_nbytes(col.value) for col in columns.values()))
 
     def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
         meta = self._meta(partition, rows, columns)
@@ -278,6 +296,13 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         super().__init__(controller, config.op_timeout_s)
         self._controller = controller
         self.config = config
+        self._actors = {"TransferQueue controller": controller}
+        for i in range(config.num_storage_units):
+            try:
+                self._actors[f"TransferQueue storage unit {i}"] = ray.get_actor(STORAGE_UNIT_NAME.format(i))
+            except ValueError:  # another TQ layout: the controller is still watched
+                pass
+        self._watch = lambda: dead_actors(self._actors)
         self._owner_pid = os.getpid()
         self._closed = False
 
@@ -325,12 +350,26 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
     def handle(self) -> TransferQueueHandle:
         return TransferQueueHandle(self._controller, self.config.op_timeout_s)
 
+    def actors(self) -> dict[str, Any]:
+        return dict(self._actors)
+
     def close(self) -> None:
         if self._closed or os.getpid() != self._owner_pid:
             return
         self._closed = True
         super().close()
         tq.close()
+
+
+def own_timeouts(op_timeout_s: float) -> None:
+    """rlgraph's timeouts for TransferQueue's storage requests, not the library's (200 s per
+    attempt, 3 attempts): one attempt of at most the run's op timeout. The step is what rlgraph
+    retries, and a dead storage unit is seen by the runner's watch within seconds. TQ reads these
+    module settings when a client connects and on each request."""
+    from transfer_queue.storage.managers import simple_storage_manager as ssm
+
+    ssm.TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT = max(1, int(op_timeout_s))
+    ssm.TQ_SIMPLE_STORAGE_MAX_ATTEMPTS = 1
 
 
 def _run_tq_init(config: TransferQueueConfig) -> None:
