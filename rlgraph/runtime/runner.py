@@ -210,6 +210,8 @@ class Runner:
                 except ray.exceptions.RayActorError as e:  # an actor died outside an op call
                     self._abandon()
                     self._count_failure(self._next, e)
+                    self.reporter.fault(f"an actor died at step {self._next} outside an op call ({_first_line(e)}); "
+                                        f"restoring every worker and replaying")
                     pending = _Restore(e, set())
         finally:
             self.reporter.close()
@@ -234,10 +236,12 @@ class Runner:
         writer.write(record)
         records.append(record)
         self._records[step] = record
+        # written: a failure from here on (the checkpoint gathers every actor's state) replays this
+        # step without writing it again
+        self._next = step + 1
         self.reporter.step_done(record)
         if self.save_every and (step + 1) % self.save_every == 0:
             write_checkpoint(out, step, self._checkpoint_states(), self.plan)
-        self._next = step + 1
 
     def _drains(self, step: int) -> bool:
         """Whether nothing of a later step may start before `step` ends (validation, checkpoint)."""
