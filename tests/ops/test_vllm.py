@@ -172,7 +172,9 @@ def test_partial_rollout_switches_weights_between_engine_steps(model_dir, invoke
     rows, pad = _prompts(model_dir, 2)
     eos = load_tokenizer(model_dir).eos_token_id
     original = {k: v.clone() for k, v in worker.model.state_dict().items()}
-    scaled = {k: v * 1.5 for k, v in original.items()}
+    # Flatter weights (norms and head scaled down): every next-token distribution changes, even one
+    # the original weights make near-certain (a log-prob of -1e-6 stays near 0 when scaled up).
+    flat = {k: v * 0.5 for k, v in original.items()}
     old, new = engine.label, engine.label + 100
 
     def sample(refresh):
@@ -189,7 +191,7 @@ def test_partial_rollout_switches_weights_between_engine_steps(model_dir, invoke
     def switch_once():
         calls.append(1)
         if len(calls) == 1:
-            engine.load_weights(scaled, label=new)
+            engine.load_weights(flat, label=new)
             return True
         return False
 
@@ -205,9 +207,10 @@ def test_partial_rollout_switches_weights_between_engine_steps(model_dir, invoke
         tokens, lps, (first, last) = mixed[i]
         if first == old:  # its first token was drawn before the switch: the same draw as without it
             assert tokens[0] == plain[i][0][0] and lps[0] == pytest.approx(plain[i][1][0], abs=1e-5)
-        k = 0 if first == new else 1  # the first token drawn after the switch, after the same prefix
-        if last == new and len(plain[i][0]) > k:  # a seeded draw: other weights, another token or log-prob
-            changed += tokens[k] != plain[i][0][k] or abs(lps[k] - plain[i][1][k]) > 1e-3
+        # Where the switch fell inside a sample depends on how far the engine had run ahead, so
+        # compare the whole sample: the same seeded draw under other weights differs from the switch on.
+        if last == new:
+            changed += tokens != plain[i][0] or any(abs(a - b) > 1e-3 for a, b in zip(lps, plain[i][1]))
     assert changed > 0, [(mixed[i], plain[i]) for i in real]
     assert sample(None) == plain  # the engine is back on the original weights and label
 
