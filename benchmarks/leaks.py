@@ -98,7 +98,9 @@ def measure(steps: int, every: int, plane: Any) -> list[dict[str, float]]:
     plan = compile_pipeline(pipeline, ["trainer.seed=0", f"trainer.save_every={max(every, 1)}"], ref)
     prepare(plan)
     with tempfile.TemporaryDirectory() as tmp:
-        runner = Runner(plan, common.quiet_runner_options(Path(tmp), steps=steps), plane)
+        options = common.quiet_runner_options(Path(tmp), steps=steps)
+        options.keep_records = False  # as `rlgraph run` does: metrics.jsonl has the records
+        runner = Runner(plan, options, plane)
         sampler = _Sampler(runner, every)
         runner.reporter = sampler
         with runner:

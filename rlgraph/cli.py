@@ -267,8 +267,12 @@ def _interrupt_on_signals() -> None:
               help="Longest wait, in seconds, for any single op call or start-up step.")
 @click.option("--verbose", is_flag=True,
               help="Show the actors' own output (Ray's notices, vLLM's logs, worker-death dumps) and log long waits.")
+@click.option("--trace-steps", type=click.IntRange(min=0), default=200, show_default=True,
+              help="trace.json and timeline.svg show the op calls of this many latest steps (0: all; the driver "
+                   "keeps them in memory).")
 def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: int | None, schedule: str | None,
-        address: str | None, resume: bool, dataplane: str | None, timeout_s: float, verbose: bool) -> None:
+        address: str | None, resume: bool, dataplane: str | None, timeout_s: float, verbose: bool,
+        trace_steps: int) -> None:
     """Run a plan (or compile and run a pipeline) on Ray.
 
     Writes DIR/metrics.jsonl (one JSON object per step), DIR/reward_curve.svg, DIR/trace.json
@@ -276,7 +280,7 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     and pipeline.svg.
     """
     from rlgraph.runtime.progress import make_reporter
-    from rlgraph.runtime.runner import RunOptions, run_plan
+    from rlgraph.runtime.runner import RunOptions, Runner, prepare
 
     plan = _plan_or_compile(target, overrides)
     out = out_dir or Path("runs") / plan.pipeline
@@ -288,14 +292,17 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         logging.getLogger("rlgraph").setLevel(logging.INFO)
     options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
                          timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out),
-                         on_ray_started=_interrupt_on_signals, verbose=verbose)
+                         on_ray_started=_interrupt_on_signals, verbose=verbose, trace_steps=trace_steps,
+                         keep_records=False)  # metrics.jsonl has every record; the driver keeps none
     _interrupt_on_signals()
     try:
-        records = run_plan(plan, options)
+        prepare(plan)
+        with Runner(plan, options) as runner:  # stops everything it started, also on Ctrl-C
+            runner.run()
     except KeyboardInterrupt:
         click.echo("interrupted: Ray and the data plane were shut down", err=True)
         sys.exit(130)
-    click.echo(f"ran {len(records)} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
+    click.echo(f"ran {runner.written} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
                f"{out / 'reward_curve.svg'}, {out / 'trace.json'}, {out / 'timeline.svg'}")
 
 

@@ -19,7 +19,7 @@ from rlgraph.errors import Problem
 from rlgraph.graph.columns import ColumnType
 from rlgraph.graph.config import Param, flatten, parse_overrides, resolve_config
 from rlgraph.graph.dsl import DATAPLANE_PARAMS, TRAINER_PARAMS, OpSpec, Pipeline
-from rlgraph.graph.packing import Packing, Slot, dataplane_cpus, pack
+from rlgraph.graph.packing import Packing, Slot, dataplane_cpus, pack, pool_placement
 
 __all__ = ["BuiltGraph", "ResolvedGroup", "config_schema", "build"]
 
@@ -113,8 +113,8 @@ class BuiltGraph:
         out: list[Slot] = []
         for pool, members in self.pools.items():
             cpus, gpus = max(m.num_cpus for m in members), max(m.num_gpus for m in members)
-            spread = any(m.placement == "spread" for m in members)
-            out += [Slot(pool, i, cpus, gpus, spread) for i in range(max(m.dp for m in members))]
+            placement = pool_placement(m.placement for m in members)
+            out += [Slot(pool, i, cpus, gpus, placement) for i in range(max(m.dp for m in members))]
         return tuple(out)
 
     @cached_property

@@ -115,12 +115,14 @@ def groups_table(plan: Plan) -> Table:
     """Worker groups with their pool and where its workers land; groups sharing a pool are colocated."""
     bundles = {p.name: p.bundles for p in plan.pools}
     sharing = {p.name: p.groups for p in plan.pools}
-    t = _table("worker groups", "group", "dp", "cpus/worker", "gpus/worker", "pool", "colocated with",
+    placement = {p.name: p.placement for p in plan.pools}
+    t = _table("worker groups", "group", "dp", "cpus/worker", "gpus/worker", "pool", "placement", "colocated with",
                "nodes", "ops")
     for g in plan.groups:
         mine = [b.node for b in bundles.get(g.pool, [])[: g.dp]]
         others = [x for x in sharing.get(g.pool, []) if x != g.name]
-        _row(t, g.name, g.dp, f"{g.num_cpus:g}", f"{g.num_gpus:g}", g.pool, ", ".join(others) or "-",
+        _row(t, g.name, g.dp, f"{g.num_cpus:g}", f"{g.num_gpus:g}", g.pool, placement.get(g.pool, "pack"),
+             ", ".join(others) or "-",
              _nodes(mine), ", ".join(g.ops))
     return t
 

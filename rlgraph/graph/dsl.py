@@ -38,7 +38,7 @@ __all__ = [
     "SYSTEM_COLUMNS",
 ]
 
-PLACEMENTS = ("pack", "spread")
+PLACEMENTS = ("pack", "spread", "strict_spread")  # least to most spread
 Granularity = Literal["sample", "group", "batch"]
 GRANULARITIES = ("sample", "group", "batch")
 _CTX = "ctx"  # reserved parameter name: receives the OpContext
@@ -360,8 +360,10 @@ class WorkerGroup:
             "num_cpus": Param(float, float(self.num_cpus), "logical CPUs per worker", minimum=0.0),
             "num_gpus": Param(float, float(self.num_gpus), "GPUs per worker", minimum=0.0),
             "pool": Param(str, self.pool or self.name, "resource pool; groups sharing one are colocated"),
-            "placement": Param(str, self.placement, "pack the pool's workers onto as few nodes as possible, or "
-                               "spread them over the nodes (e.g. reward workers)", choices=PLACEMENTS),
+            "placement": Param(str, self.placement, "pack the pool's workers onto as few nodes as possible, "
+                               "spread them over the nodes round-robin (e.g. reward workers), or strict_spread: "
+                               "each on a node of its own (fails when there are fewer nodes than workers)",
+                               choices=PLACEMENTS),
         }
 
 

@@ -2,7 +2,9 @@
 
 A worker slot (one bundle of a pool) needs some CPUs and GPUs on one node. Slots are placed
 first-fit, largest first (GPUs, then CPUs), which is what a Ray ``PACK`` placement group does;
-slot ``i`` of a ``spread`` pool tries node ``i mod n`` first (round-robin). The data plane's
+slot ``i`` of a ``spread`` pool tries node ``i mod n`` first (round-robin), and a
+``strict_spread`` pool's slots each take a node no other slot of that pool is on (Ray's
+``STRICT_SPREAD``; they are placed before all others, being the most constrained). The data plane's
 own CPUs (TransferQueue's controller and storage units) are reserved before any slot, node 0
 first, because peers hang silently at start-up when they are forgotten.
 
@@ -16,20 +18,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Slot", "Packing", "pack", "dataplane_cpus"]
+__all__ = ["Slot", "Packing", "pack", "dataplane_cpus", "pool_placement"]
+
+_ORDER = ("pack", "spread", "strict_spread")
 
 _EPS = 1e-9
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One worker slot of a pool: bundle `index`, its demand, and whether its pool spreads."""
+    """One worker slot of a pool: bundle `index`, its demand, and its pool's placement."""
 
     pool: str
     index: int
     cpus: float
     gpus: float
-    spread: bool = False
+    placement: str = "pack"  # pack | spread | strict_spread
+
+    @property
+    def spread(self) -> bool:
+        return self.placement != "pack"
 
     def describe(self) -> str:
         return f"pool {self.pool!r} slot {self.index} ({self.cpus:g} CPU, {self.gpus:g} GPU)"
@@ -43,6 +51,11 @@ class Packing:
     unplaced: tuple[Slot, ...]
     free_cpus: tuple[float, ...] = field(default=())
     free_gpus: tuple[float, ...] = field(default=())
+
+
+def pool_placement(placements: Any) -> str:
+    """A pool's placement: the most spread of its groups' (a pool is one placement group)."""
+    return max(placements, key=_ORDER.index, default="pack")
 
 
 def dataplane_cpus(config: Mapping[str, Any]) -> float:
@@ -64,10 +77,16 @@ def pack(nodes: Sequence[tuple[float, float]], slots: Sequence[Slot], reserve_cp
         reserve -= take
     node_of: dict[tuple[str, int], int] = {}
     unplaced: list[Slot] = []
-    for s in sorted(slots, key=lambda s: (-s.gpus, -s.cpus, s.pool, s.index)):
+    taken: dict[str, set[int]] = {}  # pool -> nodes its slots are on (strict_spread takes each once)
+    # strict_spread pools first (the most constrained: one node each), then largest first
+    for s in sorted(slots, key=lambda s: (s.placement != "strict_spread", -s.gpus, -s.cpus, s.pool, s.index)):
         first = s.index % n if (s.spread and n) else 0
+        mine = taken.setdefault(s.pool, set())
         for node in [*range(first, n), *range(first)]:
+            if s.placement == "strict_spread" and node in mine:
+                continue
             if cpus[node] + _EPS >= s.cpus and gpus[node] + _EPS >= s.gpus:
+                mine.add(node)
                 cpus[node] -= s.cpus
                 gpus[node] -= s.gpus
                 node_of[(s.pool, s.index)] = node

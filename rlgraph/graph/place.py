@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from rlgraph.errors import Problem
 from rlgraph.graph.build import BuiltGraph
-from rlgraph.graph.packing import dataplane_cpus
+from rlgraph.graph.packing import dataplane_cpus, pool_placement
 from rlgraph.graph.plan import BundlePlan, ClusterPlan, GroupPlan, PoolPlan
 
 __all__ = ["place", "resource_problems"]
@@ -87,7 +87,7 @@ def place(g: BuiltGraph) -> tuple[list[GroupPlan], list[PoolPlan], ClusterPlan]:
             index=slot.index, node=g.packing.node_of[(slot.pool, slot.index)], num_cpus=slot.cpus,
             num_gpus=slot.gpus))
     pool_plans = [PoolPlan(name=pool, groups=[m.name for m in members],
-                           placement="spread" if any(m.placement == "spread" for m in members) else "pack",
+                           placement=pool_placement(m.placement for m in members),
                            bundles=bundles[pool])
                   for pool, members in g.pools.items()]
     dp_cpus = dataplane_cpus(g.config)

@@ -148,8 +148,9 @@ class PoolPlan(_Frozen):
 
     name: str
     groups: list[str]
-    placement: Literal["pack", "spread"] = Field(description="pack the bundles onto few nodes, or spread them "
-                                                 "round-robin over the nodes")
+    placement: Literal["pack", "spread", "strict_spread"] = Field(
+        description="pack the bundles onto few nodes, spread them round-robin over the nodes, or strict_spread: "
+                    "one node each")
     bundles: list[BundlePlan]
 
 

@@ -199,13 +199,16 @@ def _title(plan: Plan, colours: Mapping[str, str]) -> str:
         f"{_small(' · dashed: state for the next step', _STATE)}</TD></TR>"
     )
     groups = {g.name: g for g in plan.groups}
+    placement = {p.name: p.placement for p in plan.pools}
     for name in sorted(colours):
         g = groups.get(name)
         if g is None:
             text = name
         else:
             gpus = f", {_num(g.num_gpus)} GPU" if g.num_gpus else ""
-            text = f"{name}: dp {g.dp}, pool {g.pool}, {_num(g.num_cpus)} CPU{gpus} per worker"
+            nodes = {b.node for p in plan.pools if p.name == g.pool for b in p.bundles[: g.dp]}
+            where = f" ({placement.get(g.pool, 'pack')} over {len(nodes)} nodes)" if plan.cluster.num_nodes > 1 else ""
+            text = f"{name}: dp {g.dp}, pool {g.pool}{where}, {_num(g.num_cpus)} CPU{gpus} per worker"
         rows.append(
             f'<TR><TD BGCOLOR="{colours[name]}" BORDER="1" WIDTH="14"> </TD>'
             f'<TD ALIGN="LEFT">{_small(text)}</TD></TR>'

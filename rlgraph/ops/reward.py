@@ -82,8 +82,11 @@ class RewardWorker:
                 continue
             if lengths[i] > 0:
                 token_level_scores[i, lengths[i] - 1] = float(o.score)  # on the last response token
+        restarted = scorer.restarted
+        scorer.restarted = 0
         metrics = {
             "scored_count": len(real),
+            "process_restarts": restarted,
             "error_count": sum(1 for _, o in failed if not o.timed_out),
             "timeout_count": sum(1 for _, o in failed if o.timed_out),
         }

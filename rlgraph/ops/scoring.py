@@ -6,7 +6,9 @@ samples concurrently, in one of three ways:
 - ``thread`` (default): up to ``concurrency`` samples at once on threads: right for functions
   that wait on I/O (a sandbox, an HTTP judge) or release the GIL;
 - ``process``: a `pebble` process pool of ``concurrency`` processes, for CPU-heavy functions
-  (symbolic math, running tests); a sample over its time limit has its process killed;
+  (symbolic math, running tests); a sample over its time limit has its process killed; a sample
+  whose process died under it (killed from outside, the OOM killer, a crash) is scored again on a
+  fresh process, up to ``process_restarts`` times, before it counts as an error;
 - ``async def`` functions always run on an event loop, ``concurrency`` at a time.
 
 The time limit counts from when a sample starts, not from when it was queued. A sample that
@@ -66,7 +68,8 @@ def _describe(e: BaseException) -> str:
 class RewardScorer:
     """Scores samples with the function `ref` (see the module doc); reuse it across calls."""
 
-    def __init__(self, ref: str, executor: str = "thread", concurrency: int = 8, timeout_s: float = 0.0) -> None:
+    def __init__(self, ref: str, executor: str = "thread", concurrency: int = 8, timeout_s: float = 0.0,
+                 process_restarts: int = 2) -> None:
         if executor not in EXECUTORS:
             raise RewardFnError(f"reward executor {executor!r} is not one of {', '.join(EXECUTORS)}")
         if concurrency < 1:
@@ -78,8 +81,10 @@ class RewardScorer:
         self.concurrency = int(concurrency)
         self.timeout_s = float(timeout_s) if timeout_s and timeout_s > 0 else None
         self.label = getattr(self.fn, "__qualname__", ref)
+        self.process_restarts = max(0, int(process_restarts))
         self._pool: Any = None
         self.abandoned_threads = 0  # timed-out threads still running in the background
+        self.restarted = 0  # samples scored again because their process died (all calls so far)
 
     # ------------------------------------------------------------------ public
     def score(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[str],
@@ -187,23 +192,61 @@ class RewardScorer:
         return self._pool
 
     def _run_processes(self, calls: list[dict[str, Any]]) -> list[tuple[str, Any, float]]:
+        """Score `calls` on the pool. A sample whose process died under it (an outside kill, the OOM
+        killer, a crash) is scored again on a fresh process, up to `process_restarts` times: the
+        death says nothing about the sample. pebble marks its whole pool broken when a process dies
+        between tasks, so a broken pool is replaced and its samples are scored again the same way."""
         import pebble
+        from concurrent.futures.process import BrokenProcessPool
 
-        pool = self._ensure_pool()
         t0 = time.monotonic()
-        futures = [pool.schedule(_child_score, args=(self.ref, c), timeout=self.timeout_s) for c in calls]
-        out: list[tuple[str, Any, float]] = []
-        for f in futures:
+        out: list[tuple[str, Any, float] | None] = [None] * len(calls)
+        deaths = [0] * len(calls)
+        pending = list(range(len(calls)))
+        while pending:
+            pool = self._ensure_pool()
+            if not pool.active:  # broke after its last call (a process died while it was idle)
+                self._discard_pool()
+                pool = self._ensure_pool()
+            futures = [(i, pool.schedule(_child_score, args=(self.ref, calls[i]), timeout=self.timeout_s))
+                       for i in pending]
+            again = []
+            for i, f in futures:
+                try:
+                    out[i] = ("ok", f.result(), time.monotonic() - t0)
+                    continue
+                except FutureTimeout:
+                    out[i] = ("timeout", None, time.monotonic() - t0)
+                    continue
+                except (pebble.ProcessExpired, BrokenProcessPool) as e:
+                    died: BaseException = e
+                except Exception as e:
+                    if pool.active:  # the function raised: an error of this sample
+                        out[i] = ("error", _describe(e), time.monotonic() - t0)
+                        continue
+                    died = e
+                deaths[i] += 1
+                if deaths[i] <= self.process_restarts:
+                    self.restarted += 1
+                    again.append(i)
+                else:
+                    code = getattr(died, "exitcode", None)
+                    out[i] = ("error", f"ProcessExpired: the scoring process died under this sample {deaths[i]} "
+                              f"times (last: {f'exit code {code}' if code is not None else _describe(died)}): "
+                              f"the function crashes its process or runs out of memory", time.monotonic() - t0)
+            if again and not pool.active:
+                self._discard_pool()
+            pending = again
+        return out  # type: ignore[return-value]
+
+    def _discard_pool(self) -> None:
+        if self._pool is not None:
             try:
-                out.append(("ok", f.result(), time.monotonic() - t0))
-            except FutureTimeout:
-                out.append(("timeout", None, time.monotonic() - t0))
-            except pebble.ProcessExpired as e:
-                out.append(("error", f"ProcessExpired: the scoring process died (exit code {e.exitcode})",
-                            time.monotonic() - t0))
-            except Exception as e:
-                out.append(("error", _describe(e), time.monotonic() - t0))
-        return out
+                self._pool.stop()
+                self._pool.join(timeout=5)
+            except Exception:  # a broken pool may not join cleanly; its processes are gone or going
+                pass
+            self._pool = None
 
     # ------------------------------------------------------------------ asyncio
     async def _run_async(self, calls: list[dict[str, Any]]) -> list[tuple[str, Any, float]]:

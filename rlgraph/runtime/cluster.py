@@ -10,21 +10,30 @@ with a list, instead of a placement group that waits forever (peers hang here).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.packing import Slot, pack
 from rlgraph.graph.plan import Plan
 
-__all__ = ["ClusterError", "RayHandle", "check_cluster", "dead_actors", "force_loopback", "missing_resources",
-           "start_ray"]
+__all__ = ["ClusterError", "NodeLost", "RayHandle", "alive_nodes", "check_cluster", "check_lost_nodes", "dead_actors", "force_loopback", "missing_resources",
+           "prune_sessions", "start_ray"]
 
+log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
+MARKER = "rlgraph_started"  # written into the session directory of every Ray an rlgraph run starts
+SESSIONS_KEPT = 5  # finished rlgraph sessions kept in Ray's temp folder (RLGRAPH_RAY_SESSIONS_KEPT)
 
 
 class ClusterError(RLGraphError):
     """Ray could not be started or joined, or the cluster lacks resources the plan needs."""
+
+
+class NodeLost(ClusterError):
+    """Nodes of the cluster died during the run and the remaining ones cannot hold the plan."""
 
 
 @dataclass
@@ -81,7 +90,7 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
         return RayHandle(started_here=False, address=None)
     if address:
         try:
-            ray.init(address=address, log_to_driver=verbose)
+            ray.init(address=address, log_to_driver=verbose, configure_logging=verbose)
         except Exception as e:
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {type(e).__name__}: {e}; check the "
                                f"address (ray status on the head node prints it)") from e
@@ -108,7 +117,54 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
         raise ClusterError(f"cannot start a local Ray on {LOOPBACK}: {type(e).__name__}: {e}; check free disk space "
                            f"in the Ray temp folder (/tmp/ray) and leftover Ray processes (`ray stop` ends "
                            f"those you started), or join a running cluster with --address") from e
+    _mark_and_prune()
     return RayHandle(started_here=True, address=None)
+
+
+def _mark_and_prune() -> None:
+    """Mark this Ray's session directory as an rlgraph run's and delete old finished ones, so that
+    Ray's temp folder stops growing (Ray itself never deletes a session directory)."""
+    try:
+        from ray._private.worker import _global_node
+
+        session = Path(_global_node.get_session_dir_path())
+        (session / MARKER).write_text(str(os.getpid()))
+        kept = int(os.environ.get("RLGRAPH_RAY_SESSIONS_KEPT", SESSIONS_KEPT))
+        removed = prune_sessions(session.parent, kept, current=session)
+    except Exception as e:  # housekeeping must never stop a run
+        log.debug("could not prune old Ray session directories: %s", e)
+        return
+    if removed:
+        log.info("removed %d old rlgraph Ray session director%s from %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", session.parent)
+
+
+def prune_sessions(root: Path, kept: int, current: Path | None = None) -> list[Path]:
+    """Delete all but the newest `kept` finished session directories under `root` that an rlgraph
+    run started (they hold `MARKER`); returns those deleted. A session is finished when the process
+    that started it (its pid, in the marker) is gone. Sessions of other Ray users, running ones and
+    `current` are never touched."""
+    import shutil
+
+    import psutil
+
+    finished = []
+    for d in root.glob("session_*"):
+        marker = d / MARKER
+        if d.is_symlink() or not marker.is_file() or (current is not None and d.resolve() == current.resolve()):
+            continue
+        try:
+            if psutil.pid_exists(int(marker.read_text().strip() or "0")):
+                continue
+            finished.append((marker.stat().st_mtime, d))
+        except (OSError, ValueError):
+            continue
+    finished.sort(reverse=True)
+    removed = []
+    for _, d in finished[max(kept, 0):]:
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
@@ -129,18 +185,47 @@ def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
         out.append(f"{need_gpu:g} GPUs needed, the cluster has {have_gpu:g}")
     if out:
         return out
-    slots = [Slot(p.name, b.index, b.num_cpus, b.num_gpus, p.placement == "spread") for p in plan.pools
+    slots = [Slot(p.name, b.index, b.num_cpus, b.num_gpus, p.placement) for p in plan.pools
              for b in p.bundles]
     packing = pack([(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in nodes], slots, plan.cluster.dataplane_cpus)
-    return [f"pool {s.pool!r} slot {s.index} needs {s.cpus:g} CPU and {s.gpus:g} GPU on one node; no node has "
-            f"that left" for s in packing.unplaced]
+    if not packing.unplaced:
+        return []
+    free = ", ".join(f"node {i} {c:g} CPU / {g:g} GPU" for i, (c, g) in
+                     enumerate(zip(packing.free_cpus, packing.free_gpus)))
+    strict = " (strict_spread: one node per slot)" if any(s.placement == "strict_spread" for s in packing.unplaced) else ""
+    return [f"pool {s.pool!r} slot {s.index} needs {s.cpus:g} CPU and {s.gpus:g} GPU on one node{strict}; no node has "
+            f"that left (free after the data plane and the other slots: {free})" for s in packing.unplaced]
+
+
+def alive_nodes() -> dict[str, dict[str, float]]:
+    """The cluster's live nodes: Ray node id -> its total resources."""
+    import ray
+
+    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}
+
+
+def check_lost_nodes(plan: Plan, started_on: dict[str, dict[str, float]]) -> list[str]:
+    """Nodes of `started_on` (the cluster when the run started) that are gone, by id; raise
+    `NodeLost` when the nodes left lack what `plan` needs, naming the lost nodes and each pool's
+    slots that no longer fit, instead of restarting workers that would wait for a node forever."""
+    now = alive_nodes()
+    lost = [node for node in started_on if node not in now]
+    if lost:
+        missing = missing_resources(plan, list(now.values()))
+        if missing:
+            names = ", ".join(f"{node[:12]} ({started_on[node].get('CPU', 0):g} CPU, "
+                              f"{started_on[node].get('GPU', 0):g} GPU)" for node in lost)
+            raise NodeLost(
+                f"lost {len(lost)} node(s) of the cluster: {names}; the {len(now)} node(s) left cannot hold the "
+                f"plan:\n  - " + "\n  - ".join(missing) + "\nfix: add a node with those resources (ray start "
+                f"--address=...) and resume (`rlgraph run ... --resume`), or recompile for the smaller cluster "
+                f"(lower groups.<name>.dp, or placement=spread instead of strict_spread)")
+    return lost
 
 
 def check_cluster(plan: Plan) -> None:
     """Raise `ClusterError` listing every resource the running Ray cluster lacks for `plan`."""
-    import ray
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    nodes = list(alive_nodes().values())
     missing = missing_resources(plan, nodes)
     if missing:
         raise ClusterError(

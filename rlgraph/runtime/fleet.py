@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.cluster import RayHandle, check_cluster, dead_actors, start_ray
+from rlgraph.runtime.cluster import RayHandle, alive_nodes, check_cluster, check_lost_nodes, dead_actors, start_ray
 from rlgraph.runtime.dataplane.base import DataPlaneDied
 from rlgraph.runtime.scheduler import Call
 
@@ -35,6 +35,9 @@ PLANE = "data plane"  # the data plane's name among the dead (`rlgraph.runtime.r
 WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
 SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
 log = logging.getLogger("rlgraph.runtime")
+
+
+RAY_STRATEGY = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}  # pool placement -> Ray's
 
 
 class Fleet:
@@ -58,6 +61,8 @@ class Fleet:
         self.stateful: dict[str, bool] = {}  # group -> keeps state beyond a call (restore it, not just restart)
         self.initial_source_state: Any = None
         self._pgs: dict[str, Any] = {}  # pool -> placement group
+        self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
+        self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Fleet:
@@ -79,13 +84,13 @@ class Fleet:
         if self._on_ray_started:
             self._on_ray_started()
         check_cluster(self.plan)  # before any actor: fail with a list, never hang
+        self.nodes = alive_nodes()  # the cluster as the run found it (a restart checks for lost nodes)
         if self.plane is None:
             self.plane = self._start_dataplane()
         for pool in self.plan.pools:
             bundles = [{"CPU": max(b.num_cpus, 0.01), **({"GPU": b.num_gpus} if b.num_gpus else {})}
                        for b in pool.bundles]
-            # the compiler put the pool on one node (packed) or over several (spread, or too big for one)
-            strategy = "SPREAD" if len({b.node for b in pool.bundles}) > 1 else "PACK"
+            strategy = RAY_STRATEGY[pool.placement]  # PACK and SPREAD are best effort, STRICT_SPREAD is not
             self._pgs[pool.name] = placement_group(bundles, strategy=strategy, name=f"rlgraph-{pool.name}")
         for pool, pg in self._pgs.items():
             try:
@@ -144,8 +149,28 @@ class Fleet:
     def _setup_groups(self, names: list[str]) -> None:
         # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
         meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
-        setups = [w.setup.remote(*meet[i]) for i, g in enumerate(names) for w in self.workers[g]]
-        self.get(setups, "worker start-up (op imports, worker classes' setup: model loading)")
+        ranks = [(g, r) for g in names for r in range(len(self.workers[g]))]
+        setups = [self.workers[g][r].setup.remote(*meet[names.index(g)]) for g, r in ranks]
+        nodes = self.get(setups, "worker start-up (op imports, worker classes' setup: model loading)")
+        self.node_of.update(zip(ranks, nodes))
+
+    def placement(self) -> dict[str, Any]:
+        """Where the workers run: the cluster's nodes (Ray node ids, head first, then in Ray's order)
+        and each group's ranks as indexes into them. Written to the run directory as placement.json."""
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        alive.sort(key=lambda n: not n.get("Resources", {}).get("node:__internal_head__"))
+        ids = [n["NodeID"] for n in alive]
+        index = {node: i for i, node in enumerate(ids)}
+        groups: dict[str, list[int | None]] = {}
+        for (g, r), node in sorted(self.node_of.items()):
+            groups.setdefault(g, []).append(index.get(node))
+        return {"nodes": [{"id": n["NodeID"], "head": bool(n.get("Resources", {}).get("node:__internal_head__")),
+                           "cpus": n.get("Resources", {}).get("CPU", 0.0), "gpus": n.get("Resources", {}).get("GPU", 0.0)}
+                          for n in alive],
+                "groups": groups,
+                "pools": {p.name: p.placement for p in self.plan.pools}}
 
     def restart(self, groups: Iterable[str]) -> int:
         """Kill every actor of `groups` (all ranks: they share a process group) and start them again
@@ -153,6 +178,7 @@ class Fleet:
         import ray
 
         names = sorted(set(groups))
+        check_lost_nodes(self.plan, self.nodes)  # NodeLost when the nodes left cannot hold the plan
         for g in names:
             for w in self.workers[g]:
                 ray.kill(w, no_restart=True)
@@ -175,6 +201,7 @@ class Fleet:
         dead = self.plane_dead()
         if not self._own_plane:
             raise DataPlaneDied(dead or ["(unknown)"], "it was given to this run, which cannot restart it")
+        check_lost_nodes(self.plan, self.nodes)
         old, self.plane = self.plane, None
         for handle in old.actors().values():
             try:

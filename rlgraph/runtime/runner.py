@@ -32,6 +32,7 @@ import json
 import pickle
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,9 @@ class RunOptions:
     max_retries: int | None = None  # default: the plan's trainer.max_retries
     faults: list[Fault] = field(default_factory=list)  # fault injection (tests)
     verbose: bool = False  # the actors' own output (Ray, engines) on this terminal; long waits logged
+    trace_steps: int = 200  # trace.json and timeline.svg show the op calls of the last this many steps (0: all)
+    keep_records: bool = True  # run() returns every step's record (False: none, for long runs;
+    #                            metrics.jsonl has them all either way)
 
 
 class _Restore(Exception):
@@ -148,11 +152,13 @@ class Runner:
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
                            options.verbose)
         self.reporter: Reporter = options.reporter or Reporter()
-        self.all_spans: list[Span] = []
+        # op-call spans of the latest steps, one list per step (bounded: a long run's driver stays flat)
+        self._spans: deque[list[Span]] = deque(maxlen=options.trace_steps or None)
+        self.written = 0  # steps whose records this run wrote
         self.headline = [f"{name}/mean" for name in plan.summaries.values()]
         self._faults = {f: f.times for f in options.faults}
         self._attempts: dict[int, int] = {}  # step -> failures so far
-        self._records: dict[int, dict[str, Any]] = {}
+        self._heads: dict[int, dict[str, Any]] = {}  # step -> its headline metrics, to check a replay against
         self._run_start = 0
         self._next = 0  # the first step whose record has not been written (earlier ones are replays)
         self.window: Window | None = None  # made once the fleet knows which groups keep state
@@ -183,6 +189,7 @@ class Runner:
 
         out = Path(self.opts.out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        (out / "placement.json").write_text(json.dumps(self.fleet.placement(), indent=1) + "\n")
         start_step = 0
         if self.opts.resume:
             ckpt = latest_checkpoint(out)
@@ -223,25 +230,34 @@ class Runner:
         """A training step finished (steps finish in order): write it, or check a replayed one."""
         step = lv.step
         if step < self._next:  # replayed after a restore: same seeds, same data, same state
-            before = self._records.get(step, {})
+            before = self._heads.get(step, {})
             changed = [k for k in self.headline if k in before and record.get(k) != before[k]]
             if changed:
                 warnings.warn(f"replayed step {step} gave {changed[0]}={record.get(changed[0])}, the first run "
                               f"{before[changed[0]]}: the ops are not deterministic", stacklevel=2)
             return
-        self.all_spans += lv.rec.spans
+        self._spans.append(list(lv.rec.spans))
         record["faults/retries"] = self._attempts.get(step, 0)
         if self.val_every and (step + 1) % self.val_every == 0:
             record.update(self.validate(step))
         writer.write(record)
-        records.append(record)
-        self._records[step] = record
+        self.written += 1
+        if self.opts.keep_records:
+            records.append(record)
+        self._heads[step] = {k: record[k] for k in self.headline if k in record}
         # written: a failure from here on (the checkpoint gathers every actor's state) replays this
         # step without writing it again
         self._next = step + 1
         self.reporter.step_done(record)
         if self.save_every and (step + 1) % self.save_every == 0:
             write_checkpoint(out, step, self._checkpoint_states(), self.plan)
+            for done in [k for k in self._heads if k <= step]:  # a restore replays only steps after it
+                del self._heads[done]
+
+    @property
+    def all_spans(self) -> list[Span]:
+        """The op-call spans kept for the trace: those of the last `trace_steps` steps."""
+        return [span for step in self._spans for span in step]
 
     def _drains(self, step: int) -> bool:
         """Whether nothing of a later step may start before `step` ends (validation, checkpoint)."""
@@ -255,10 +271,11 @@ class Runner:
             all_records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
             write_curve_svg(out / "reward_curve.svg", all_records, key=self.headline[0],
                             title=f"{self.plan.pipeline}: {self.headline[0]} per step")
-        if self.all_spans:
+        spans = self.all_spans
+        if spans:
             ahead = f", up to {self.depth} steps in flight" if self.depth > 1 else ""
-            write_chrome_trace(self.all_spans, out / "trace.json")
-            write_timeline_svg(self.all_spans, out / "timeline.svg", title=f"{self.plan.pipeline}: {self.schedule} "
+            write_chrome_trace(spans, out / "trace.json")
+            write_timeline_svg(spans, out / "timeline.svg", title=f"{self.plan.pipeline}: {self.schedule} "
                                f"schedule{ahead}")
 
     def validate(self, step: int) -> dict[str, Any]:
@@ -268,7 +285,10 @@ class Runner:
             return {}
         lv = self._admit(step, key=step + 0.5, partition=f"val_{step}", ops=set(self.plan.validation.ops))
         m = self._alone(lv)
-        self.all_spans += lv.rec.spans  # validation calls show in the trace and timeline too
+        if self._spans:  # validation calls show in the trace and timeline too, with their step's
+            self._spans[-1].extend(lv.rec.spans)
+        else:
+            self._spans.append(list(lv.rec.spans))
         names = set(self.plan.summaries.values())
         return {f"val/{k}": v for k, v in m.items() if k.split("/")[0] in names}
 

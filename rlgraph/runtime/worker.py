@@ -79,9 +79,11 @@ class GroupWorker:
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Import the group's op bodies and instantiate its worker classes (all ranks at once:
-        their setup may join a process group)."""
+        their setup may join a process group). Returns the Ray node this worker runs on."""
+        import ray
+
         self.invoker = Invoker(self.plan, self.group, self.rank, self.dp, master_addr, master_port)
-        return f"{self.group}[{self.rank}] pid {os.getpid()}"
+        return ray.get_runtime_context().get_node_id()
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                   uids: Sequence[int], is_padding: Sequence[bool],

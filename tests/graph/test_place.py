@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlgraph import PipelineError
 from rlgraph.graph.build import build
 from rlgraph.graph.check import check
 from rlgraph.graph.compile import compile_pipeline
@@ -118,3 +119,18 @@ def test_spread_pool_goes_round_robin_over_the_nodes(ppo) -> None:
     spread = compile_pipeline(ppo, over + ["groups.reward.placement=spread"])
     assert _nodes(spread)["reward"] == [0, 1, 2, 0]
     assert _nodes(spread)["actor"] == [0]  # other pools still packed
+
+
+def test_strict_spread_puts_each_worker_on_a_node_of_its_own(ppo) -> None:
+    over = ["cluster.num_nodes=3", "groups.reward.num_cpus=0.5", "groups.reward.placement=strict_spread"]
+    plan = compile_pipeline(ppo, over + ["groups.reward.dp=3"])
+    assert _nodes(plan)["reward"] == [0, 1, 2]
+    assert next(p for p in plan.pools if p.name == "reward").placement == "strict_spread"
+    with pytest.raises(PipelineError, match=r"pool 'reward' slot 3 .* do not fit|1 worker slot\(s\) do not fit"):
+        compile_pipeline(ppo, over + ["groups.reward.dp=4"])  # 4 workers, 3 nodes: one would share a node
+
+
+def test_a_pool_takes_the_most_spread_placement_of_its_groups(ppo) -> None:
+    plan = compile_pipeline(ppo, ["cluster.num_nodes=2", "groups.critic.pool=reward",
+                                  "groups.critic.placement=strict_spread", "groups.reward.placement=spread"])
+    assert next(p for p in plan.pools if p.name == "reward").placement == "strict_spread"

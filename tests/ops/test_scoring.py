@@ -62,6 +62,71 @@ def test_process_pool_kills_stalled_samples():
         s.close()
 
 
+def _pool_processes():
+    import psutil
+
+    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    return servers + [p for server in servers for p in server.children()]  # it and the pool's processes
+
+
+def test_a_scoring_process_killed_from_outside_costs_no_sample():
+    """kill -9 of the pool's processes and the fork server they come from, mid-call (a user, the OOM
+    killer): each sample they were scoring is scored again on a fresh process (the fork server is
+    started again) and the call's results equal an undisturbed call's."""
+    import os
+    import signal
+    import threading
+
+    s = RewardScorer(f"{FNS}:slow_in_process", executor="process", concurrency=2)
+    try:
+        clean = [(o.score, o.error) for o in _score(s)]
+        assert s.restarted == 0 and all(e is None for _, e in clean)
+        killed = []
+
+        def kill_soon():
+            time.sleep(0.25)  # the first two samples are running
+            for p in _pool_processes():
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        out = _score(s)
+        killer.join()
+        assert killed
+        assert [(o.score, o.error) for o in out] == clean
+        assert s.restarted >= 1
+    finally:
+        s.close()
+
+
+def test_a_pool_whose_processes_were_killed_between_calls_is_replaced():
+    """pebble marks a pool broken when its processes die between tasks; the next call gets a new
+    pool and scores every sample."""
+    import os
+    import signal
+
+    s = RewardScorer(f"{FNS}:slow", executor="process", concurrency=2)
+    try:
+        clean = [(o.score, o.error) for o in _score(s)]
+        for p in _pool_processes():
+            os.kill(p.pid, signal.SIGKILL)
+        assert [(o.score, o.error) for o in _score(s)] == clean
+    finally:
+        s.close()
+
+
+def test_a_function_that_kills_its_process_every_time_becomes_an_error_after_the_restarts():
+    s = RewardScorer(f"{FNS}:crash_on_odd", executor="process", concurrency=2, process_restarts=1)
+    try:
+        out = _score(s, GT[:4])
+        assert [o.error is None for o in out] == [True, False, True, False]
+        assert out[1].error.startswith("ProcessExpired: the scoring process died under this sample 2 times")
+        assert s.restarted == 2  # one restart for each odd sample
+    finally:
+        s.close()
+
+
 def test_bad_settings_are_errors():
     with pytest.raises(RewardFnError, match="executor 'gpu'"):
         RewardScorer(f"{FNS}:slow", executor="gpu")

@@ -35,3 +35,19 @@ async def async_stall_on_odd(data_source, solution_str, ground_truth, extra_info
 
 def not_a_number(data_source, solution_str, ground_truth, extra_info=None):
     return "high"
+
+
+def slow_in_process(data_source, solution_str, ground_truth, extra_info=None):
+    """Half a second per sample (time for a test to kill the scoring process from outside)."""
+    time.sleep(0.5)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def crash_on_odd(data_source, solution_str, ground_truth, extra_info=None):
+    """Kills its own process on odd samples, as a segfault or the OOM killer would."""
+    import os
+    import signal
+
+    if int(ground_truth) % 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)

@@ -89,6 +89,19 @@ def test_outputs_trace_and_timeline(tq_plane, tmp_path):
     assert svg.startswith("<svg") and "actor[1]" in svg and "gen" in svg
 
 
+def test_the_trace_keeps_the_latest_steps_and_the_driver_no_records(tq_plane, tmp_path):
+    """A long run's driver stays flat: trace.json has the op calls of the last `trace_steps` steps
+    only, and with keep_records off run() keeps no record (metrics.jsonl has them all)."""
+    plan = _plan(*PADDED)
+    with Runner(plan, RunOptions(out_dir=tmp_path, timeout_s=60, steps=3, trace_steps=1, keep_records=False),
+                tq_plane) as runner:
+        assert runner.run() == []
+        assert runner.written == 3
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    calls = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in calls} == {2}
+
+
 def test_groups_on_one_pool_take_turns(tq_plane, tmp_path):
     # score (group reward) and values (group critic) do not depend on each other; on one pool they
     # must still never run at the same time: they time-share its bundle
@@ -122,6 +135,32 @@ def test_missing_resources_fail_before_any_actor_starts(tq_plane, tmp_path):
     runner.close()
 
 
+def test_old_rlgraph_ray_sessions_are_pruned_and_others_left_alone(tmp_path):
+    import os
+
+    from rlgraph.runtime.cluster import MARKER, prune_sessions
+
+    def session(name, pid, marked=True, age=0):
+        d = tmp_path / f"session_{name}"
+        d.mkdir()
+        (d / "logs").mkdir()
+        if marked:
+            (d / MARKER).write_text(str(pid))
+            os.utime(d / MARKER, (1e9 + age, 1e9 + age))
+        return d
+
+    dead = 2 ** 22 + 12345  # above Linux's default pid_max: no such process
+    old = [session(f"old{i}", dead, age=i) for i in range(4)]
+    running = session("running", os.getpid(), age=-10)  # its driver is alive (this test)
+    foreign = session("foreign", dead, marked=False)  # not started by rlgraph
+    current = session("current", dead, age=100)
+    removed = prune_sessions(tmp_path, kept=2, current=current)
+    assert sorted(removed) == sorted(old[:2])  # the two oldest finished ones
+    assert all(d.exists() for d in [*old[2:], running, foreign, current])
+    assert sorted(prune_sessions(tmp_path, kept=0)) == sorted([*old[2:], current])
+    assert running.exists() and foreign.exists()
+
+
 def test_missing_resources_lists_per_node_fit():
     plan = _plan("cluster.num_nodes=2", "cluster.cpus_per_node=4", "groups.actor.num_cpus=1.5", "groups.actor.dp=2")
     # needs 2 (data plane) + 2 x 1.5 (actor) + 0.5 + 0.5 + 0.25 = 6.25 CPUs
@@ -130,7 +169,8 @@ def test_missing_resources_lists_per_node_fit():
     # 6.3 CPUs in all, but the data plane leaves 0.2 on node 0; node 1 (4.1) takes the actor's
     # 1.5 + 1.5, critic 0.5 and reward 0.5, leaving 0.1: the 0.25 CPU 'adv' slot fits nowhere
     problems = missing_resources(plan, [{"CPU": 2.2}, {"CPU": 4.1}])
-    assert problems == ["pool 'adv' slot 0 needs 0.25 CPU and 0 GPU on one node; no node has that left"]
+    assert problems == ["pool 'adv' slot 0 needs 0.25 CPU and 0 GPU on one node; no node has that left (free after "
+                        "the data plane and the other slots: node 0 0.2 CPU / 0 GPU, node 1 0.1 CPU / 0 GPU)"]
 
 
 def test_resume_continues_exactly(tq_plane, tmp_path):

@@ -1,0 +1,132 @@
+"""Many nodes on one machine: a Ray cluster of three nodes on 127.0.0.1 (a head and two workers,
+each its own raylet and object store, as `ray start` would make them), joined with `--address`
+by a separate `rlgraph run` process, as a user would.
+
+- the GRPO example with its reward pool strictly spread over the three nodes ends with the same
+  metrics as on one node;
+- a node killed during a step (its raylet and every process on it): the run recovers on the
+  nodes left when they can hold the plan, and stops with `NodeLost` naming the node and the pool
+  that no longer fits when they cannot; it never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+GRPO = str(ROOT / "examples" / "grpo.py")
+NODE_CPUS = 3
+# three reward workers of half a CPU each, one per node; everything else packed
+SPREAD = ["cluster.num_nodes=3", f"cluster.cpus_per_node={NODE_CPUS}", "groups.reward.dp=3",
+          "groups.reward.num_cpus=0.5"]
+STABLE = ("score/mean", "reward/mean", "response_length/mean", "samples/real", "samples/padding",
+          "update_actor/actor_metrics/pg_loss", "update_actor/actor_metrics/grad_norm")
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture
+def three_nodes():
+    """A fresh 3-node cluster per test (a node-loss test leaves it with fewer)."""
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every node on 127.0.0.1
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": NODE_CPUS, "node_ip_address": "127.0.0.1",
+                                      "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=NODE_CPUS, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+
+
+def _start(out: Path, *args: str, steps: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rlgraph.cli", "run", GRPO, "-o", str(out), "--steps", str(steps),
+           "--timeout", "120", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def _stable(records: list[dict]) -> list[dict]:
+    return [{k: r.get(k) for k in STABLE} for r in records]
+
+
+def test_three_nodes_give_the_metrics_of_one(three_nodes, tmp_path):
+    many = _start(tmp_path / "many", "--address", three_nodes.address, *SPREAD,
+                  "groups.reward.placement=strict_spread")
+    text, _ = many.communicate(timeout=600)
+    assert many.returncode == 0, text
+    placement = json.loads((tmp_path / "many" / "placement.json").read_text())
+    assert len(placement["nodes"]) == 3 and placement["pools"]["reward"] == "strict_spread"
+    assert sorted(placement["groups"]["reward"]) == [0, 1, 2]  # one reward worker on each node
+    assert "Connecting to existing Ray cluster" not in text  # quiet by default with --address too
+
+    one = _start(tmp_path / "one", "cluster.num_nodes=1", f"cluster.cpus_per_node={3 * NODE_CPUS}",
+                 "groups.reward.dp=3", "groups.reward.num_cpus=0.5")
+    text, _ = one.communicate(timeout=600)
+    assert one.returncode == 0, text
+    assert len(json.loads((tmp_path / "one" / "placement.json").read_text())["nodes"]) == 1
+    assert _stable(_records(tmp_path / "many")) == _stable(_records(tmp_path / "one"))
+
+
+def _kill_a_worker_node_during_step_1(cluster, proc: subprocess.Popen, out: Path) -> float:
+    """Once step 0 is written, remove (kill -9) a non-head node that runs a reward worker."""
+    deadline = time.time() + 300
+    while not _records(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert _records(out), proc.communicate()[0]
+    placement = json.loads((out / "placement.json").read_text())
+    victims = {placement["nodes"][i]["id"] for i in placement["groups"]["reward"]
+               if not placement["nodes"][i]["head"]}
+    node = next(n for n in cluster.worker_nodes if n.node_id in victims)
+    cluster.remove_node(node, allow_graceful=False)
+    return time.time()
+
+
+@pytest.mark.faults
+def test_a_lost_node_is_survived_when_the_nodes_left_can_hold_the_plan(three_nodes, tmp_path):
+    args = ["--address", three_nodes.address, *SPREAD, "groups.reward.placement=spread"]
+    clean = _start(tmp_path / "clean", *args, steps=3)
+    text, _ = clean.communicate(timeout=600)
+    assert clean.returncode == 0, text
+
+    proc = _start(tmp_path / "run", *args, steps=3)
+    killed = _kill_a_worker_node_during_step_1(three_nodes, proc, tmp_path / "run")
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, text
+    assert "died" in text, text  # one line saying what died and what the run did
+    assert _stable(_records(tmp_path / "run")) == _stable(_records(tmp_path / "clean"))
+    print(f"a worker node killed during step 1: the run ended {time.time() - killed:.1f}s later, on 2 nodes")
+
+
+@pytest.mark.faults
+def test_a_lost_node_the_plan_cannot_do_without_stops_the_run_with_node_lost(three_nodes, tmp_path):
+    proc = _start(tmp_path / "run", "--address", three_nodes.address, *SPREAD,
+                  "groups.reward.placement=strict_spread", steps=3)
+    killed = _kill_a_worker_node_during_step_1(three_nodes, proc, tmp_path / "run")
+    text, _ = proc.communicate(timeout=600)
+    took = time.time() - killed
+    assert proc.returncode == 1, text
+    assert "lost 1 node(s) of the cluster" in text and "pool 'reward' slot" in text, text
+    assert took < 120, took  # within the run's --timeout, not a hang
+    print(f"a node the plan needs killed during step 1: NodeLost {took:.1f}s later")
