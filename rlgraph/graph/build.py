@@ -19,7 +19,7 @@ from rlgraph.errors import Problem
 from rlgraph.graph.columns import ColumnType
 from rlgraph.graph.config import Param, flatten, parse_overrides, resolve_config
 from rlgraph.graph.dsl import DATAPLANE_PARAMS, TRAINER_PARAMS, OpSpec, Pipeline
-from rlgraph.graph.packing import Packing, Slot, dataplane_cpus, pack, pool_placement
+from rlgraph.graph.packing import Packing, Slot, dataplane_actors, pack, pool_placement
 
 __all__ = ["BuiltGraph", "ResolvedGroup", "config_schema", "build"]
 
@@ -122,7 +122,9 @@ class BuiltGraph:
         """The slots packed onto the declared cluster's nodes, after the data plane's reservation."""
         n = int(self.config["cluster.num_nodes"])
         nodes = [(float(self.config["cluster.cpus_per_node"]), float(self.config["cluster.gpus_per_node"]))] * n
-        return pack(nodes, self.slots, dataplane_cpus(self.config))
+        actors = dataplane_actors(self.config["dataplane.backend"], int(self.config["dataplane.storage_units"]),
+                                  float(self.config["dataplane.cpus_per_unit"]))
+        return pack(nodes, self.slots, actors)
 
 
 def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:

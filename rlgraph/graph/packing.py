@@ -5,8 +5,10 @@ first-fit, largest first (GPUs, then CPUs), which is what a Ray ``PACK`` placeme
 slot ``i`` of a ``spread`` pool tries node ``i mod n`` first (round-robin), and a
 ``strict_spread`` pool's slots each take a node no other slot of that pool is on (Ray's
 ``STRICT_SPREAD``; they are placed before all others, being the most constrained). The data plane's
-own CPUs (TransferQueue's controller and storage units) are reserved before any slot, node 0
-first, because peers hang silently at start-up when they are forgotten.
+own CPUs (TransferQueue's controller and storage units) are reserved before any slot, because
+peers hang silently at start-up when they are forgotten: the controller on node 0 and storage
+unit i on node i mod n, as TransferQueue places its units (one per node when there are as many
+units as nodes).
 
 The compiler packs onto the nodes the pipeline declares (`rlgraph.graph.place`); a run packs the
 plan's bundles onto the Ray cluster's real nodes (`rlgraph.runtime.cluster`). Same function, so
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Slot", "Packing", "pack", "dataplane_cpus", "pool_placement"]
+__all__ = ["Slot", "Packing", "pack", "dataplane_actors", "dataplane_cpus", "pool_placement"]
 
 _ORDER = ("pack", "spread", "strict_spread")
 
@@ -65,16 +67,40 @@ def dataplane_cpus(config: Mapping[str, Any]) -> float:
     return float(config["dataplane.cpus_per_unit"]) * (1 + int(config["dataplane.storage_units"]))
 
 
-def pack(nodes: Sequence[tuple[float, float]], slots: Sequence[Slot], reserve_cpus: float = 0.0) -> Packing:
-    """Place `slots` on `nodes` (each node's (CPUs, GPUs)) after reserving `reserve_cpus`."""
+def dataplane_actors(backend: str, storage_units: int, cpus_per_unit: float) -> list[float]:
+    """The CPUs of each data-plane actor: TransferQueue's controller, then each storage unit."""
+    if backend != "transferqueue":
+        return []
+    return [float(cpus_per_unit)] * (1 + int(storage_units))
+
+
+def pack(nodes: Sequence[tuple[float, float]], slots: Sequence[Slot],
+         reserve_cpus: float | Sequence[float] = 0.0) -> Packing:
+    """Place `slots` on `nodes` (each node's (CPUs, GPUs)) after reserving the data plane's CPUs:
+    a lump (taken node 0 first), or per actor (`dataplane_actors`: the controller on node 0, storage
+    unit i on node i mod n, as TransferQueue places them one per node; each spills over to the
+    next node with room)."""
     cpus = [float(c) for c, _ in nodes]
     gpus = [float(g) for _, g in nodes]
     n = len(nodes)
-    reserve = reserve_cpus
-    for i in range(n):  # the data plane's actors go where there is room, node 0 first
-        take = min(reserve, cpus[i])
-        cpus[i] -= take
-        reserve -= take
+    if isinstance(reserve_cpus, (int, float)):
+        reserve = float(reserve_cpus)
+        for i in range(n):  # the data plane's actors go where there is room, node 0 first
+            take = min(reserve, cpus[i])
+            cpus[i] -= take
+            reserve -= take
+    else:
+        for k, need in enumerate(reserve_cpus):
+            first = (k - 1) % n if (k and n) else 0  # k = 0: the controller; k >= 1: unit k - 1
+            for i in [*range(first, n), *range(first)]:
+                if cpus[i] + _EPS >= need:
+                    cpus[i] -= need
+                    break
+            else:  # no node has room for it whole: take it where there is some (the totals check reports it)
+                for i in range(n):
+                    take = min(need, cpus[i])
+                    cpus[i] -= take
+                    need -= take
     node_of: dict[tuple[str, int], int] = {}
     unplaced: list[Slot] = []
     taken: dict[str, set[int]] = {}  # pool -> nodes its slots are on (strict_spread takes each once)

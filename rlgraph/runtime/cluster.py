@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlgraph.errors import RLGraphError
-from rlgraph.graph.packing import Slot, pack
+from rlgraph.graph.packing import Slot, dataplane_actors, pack
 from rlgraph.graph.plan import Plan
 
 __all__ = ["ClusterError", "NodeLost", "RayHandle", "alive_nodes", "check_cluster", "check_lost_nodes", "dead_actors", "force_loopback", "missing_resources",
            "prune_sessions", "start_ray"]
 
 log = logging.getLogger(__name__)
+_EPS = 1e-9
 LOOPBACK = "127.0.0.1"
 MARKER = "rlgraph_started"  # written into the session directory of every Ray an rlgraph run starts
 SESSIONS_KEPT = 5  # finished rlgraph sessions kept in Ray's temp folder (RLGRAPH_RAY_SESSIONS_KEPT)
@@ -187,7 +188,11 @@ def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
         return out
     slots = [Slot(p.name, b.index, b.num_cpus, b.num_gpus, p.placement) for p in plan.pools
              for b in p.bundles]
-    packing = pack([(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in nodes], slots, plan.cluster.dataplane_cpus)
+    dp = plan.config.get("dataplane", {})
+    actors = dataplane_actors(dp.get("backend", "transferqueue"), int(dp.get("storage_units", 1)),
+                              float(dp.get("cpus_per_unit", 1.0)))
+    reserve = actors if abs(sum(actors) - plan.cluster.dataplane_cpus) < _EPS else plan.cluster.dataplane_cpus
+    packing = pack([(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in nodes], slots, reserve)
     if not packing.unplaced:
         return []
     free = ", ".join(f"node {i} {c:g} CPU / {g:g} GPU" for i, (c, g) in

@@ -427,6 +427,11 @@ class Runner:
                          dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - lv.bytes0,
                          driver_result_bytes=rec.result_bytes, schedule=self.schedule)
         m["faults/restarts"] = rec.restarts
+        local, remote = sum(s.local_bytes for s in rec.spans), sum(s.cross_node_bytes for s in rec.spans)
+        if local or remote:  # the plane knows where each row is stored (TransferQueue)
+            m["dataplane/local_bytes"] = local
+            m["dataplane/cross_node_bytes"] = remote
+            m["dataplane/cross_node_frac"] = remote / (local + remote)
         m["timing/state_sync_s"] = rec.sync_s  # waiting for weights to reach the groups that read them
         if lv.training:
             # how long each group sat idle before this step's first call on it (waiting for its inputs,

@@ -33,6 +33,8 @@ class Span:
     start: float  # seconds since the epoch
     end: float
     parts: tuple[tuple[float, int], ...] = ()  # a streaming call: (time, rows) of each part handed over
+    local_bytes: int = 0  # column bytes the call moved to or from storage on its own node
+    cross_node_bytes: int = 0  # ... on another node (known for TransferQueue)
 
     @property
     def duration(self) -> float:

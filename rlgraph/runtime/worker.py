@@ -22,6 +22,7 @@ import torch
 
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.plan import Plan
+from rlgraph.runtime.dataplane import locality_bytes_in_this_process
 from rlgraph.runtime.invoke import Invoker
 from rlgraph.runtime.trace import Span
 
@@ -46,6 +47,13 @@ class CallResult:
     summaries: dict[str, dict[int, float]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data outputs
     dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)  # row -> (reason, whole group?)
+
+
+def _moved_since(before: tuple[int, int]) -> dict[str, int]:
+    """A call's local and cross-node column bytes: this process's counts since `before`. (An actor
+    runs one op call at a time on its default thread, so the difference is the call's.)"""
+    local, remote = locality_bytes_in_this_process()
+    return {"local_bytes": local - before[0], "cross_node_bytes": remote - before[1]}
 
 
 def _row_sums(value: Any) -> list[float]:
@@ -92,6 +100,7 @@ class GroupWorker:
         makes the call fail before the body runs; ``kill`` / ``kill_after`` end this actor's
         process before the body runs / after the outputs are written."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk, fault)
             out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs)
@@ -101,7 +110,7 @@ class GroupWorker:
         dropped = dict(self.invoker.last_dropped)
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
-                      start=start, end=time.time()),
+                      start=start, end=time.time(), **_moved_since(moved)),
             metrics={c: v for c, v in out.items() if self.plan.columns[c].kind == "metric"},
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for c, v in out.items()
@@ -116,6 +125,7 @@ class GroupWorker:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult`."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk, fault)
             parts = self.invoker.stream(op, step, chunk, rows, is_padding, inputs, batch_inputs)
@@ -136,7 +146,7 @@ class GroupWorker:
         rest = self.invoker.last_rest
         yield CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
-                      start=start, end=time.time(), parts=tuple(handed)),
+                      start=start, end=time.time(), parts=tuple(handed), **_moved_since(moved)),
             metrics={c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"},
             batch_values={c: v for c, v in rest.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},

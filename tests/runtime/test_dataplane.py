@@ -261,3 +261,15 @@ def test_tq_start_times_out_with_a_message(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, env=env)
     assert "ERROR: TransferQueue did not start within 2s" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+def test_row_nbytes_splits_a_column_per_row():
+    import torch
+
+    from rlgraph.runtime.dataplane.base import row_nbytes
+
+    assert row_nbytes(torch.zeros(3, 4, dtype=torch.float32), 3) == [16, 16, 16]
+    ragged = [torch.zeros(2, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)]
+    assert row_nbytes(ragged, 2) == [16, 40]
+    assert row_nbytes(torch.nested.nested_tensor(ragged, layout=torch.jagged), 2) == [16, 40]
+    assert row_nbytes(["ab", "\u00e9"], 2) == [2, 2]

@@ -12,6 +12,7 @@ from rlgraph.runtime.dataplane.base import (
     DataPlaneError,
     DataPlaneHandle,
     assemble_rows,
+    locality_bytes_in_this_process,
     payload_bytes_in_this_process,
 )
 from rlgraph.runtime.dataplane.ray_store import RayObjectStoreDataPlane, RayObjectStoreHandle
@@ -31,6 +32,7 @@ __all__ = [
     "DataPlaneError",
     "DataPlaneHandle",
     "assemble_rows",
+    "locality_bytes_in_this_process",
     "payload_bytes_in_this_process",
     "RayObjectStoreDataPlane",
     "RayObjectStoreHandle",

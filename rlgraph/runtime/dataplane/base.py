@@ -90,6 +90,30 @@ def payload_bytes_in_this_process() -> int:
     return _process_bytes
 
 
+# Of those, the bytes whose storage is on this process's node and on another node, where the
+# plane knows (TransferQueue: each row's storage unit and that unit's node).
+_locality = [0, 0]
+
+
+def count_locality(local: int, remote: int) -> None:
+    with _bytes_lock:
+        _locality[0] += local
+        _locality[1] += remote
+
+
+def locality_bytes_in_this_process() -> tuple[int, int]:
+    """(bytes put to or got from storage on this node, bytes on other nodes) in this process so far."""
+    return _locality[0], _locality[1]
+
+
+def row_nbytes(value: ColumnData, rows: int) -> list[int]:
+    """Payload bytes of each of `rows` rows of a column value (as `_nbytes` counts them)."""
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        return [value.numel() * value.element_size() // max(rows, 1)] * rows
+    items = value.unbind() if isinstance(value, torch.Tensor) else list(value)
+    return [_nbytes([v]) for v in items]
+
+
 def _nbytes(value: ColumnData) -> int:
     if isinstance(value, torch.Tensor):
         if value.is_nested:

@@ -60,6 +60,8 @@ from rlgraph.runtime.dataplane.base import (  # noqa: E402
     _Column,
     _nbytes,
     assemble_rows,
+    count_locality,
+    row_nbytes,
 )
 from rlgraph.runtime.cluster import dead_actors  # noqa: E402
 
@@ -198,11 +200,29 @@ def _from_tq(value: Any) -> ColumnData:
     return assemble_rows(list(value))
 
 
+def _actor_nodes(actors: list[Any]) -> tuple[str, ...]:
+    """The Ray node id of each actor (from the control store; () when one is not known)."""
+    from ray._private import state
+
+    nodes = []
+    for handle in actors:
+        try:
+            info = state.actors(actor_id=handle._actor_id.hex())
+            nodes.append(info["Address"]["NodeID"])
+        except Exception:  # an older Ray's layout: no locality counts, nothing else changes
+            return ()
+    return tuple(nodes)
+
+
 class _TQClient(DataPlaneClient):
     """Worker side: an ``AsyncTransferQueueClient`` (TQ's public async client) on our loop."""
 
-    def __init__(self, controller: Any, op_timeout_s: float) -> None:
+    def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = ()) -> None:
         self._timeout = op_timeout_s
+        # the node of each storage unit (TQ stores global index g on unit g % units) and ours: for
+        # the bytes that stay on this node and those that cross to another
+        self._unit_nodes = unit_nodes
+        self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._watch: Callable[[], list[str]] | None = None  # the driver's: names of dead plane actors
         own_timeouts(op_timeout_s)
         try:
@@ -253,6 +273,19 @@ class _TQClient(DataPlaneClient):
         self._run(self._client.async_put(data, metadata=meta),
                   f"put columns {sorted(columns)} to partition {partition!r}",
                   nbytes=sum(_nbytes(col.value) for col in columns.values()))
+        self._count_locality(meta, [col.value for col in columns.values()])
+
+    def _count_locality(self, meta: BatchMeta, values: list[ColumnData]) -> None:
+        """Count each row's bytes as local or cross-node by the node of the unit that stores it."""
+        if not self._unit_nodes or not self._node:
+            return
+        units = len(self._unit_nodes)
+        per_row = [0] * len(meta.global_indexes)
+        for value in values:
+            for i, n in enumerate(row_nbytes(value, len(per_row))):
+                per_row[i] += n
+        local = sum(n for g, n in zip(meta.global_indexes, per_row) if self._unit_nodes[g % units] == self._node)
+        count_locality(local, sum(per_row) - local)
 
     def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
         meta = self._meta(partition, rows, columns)
@@ -267,7 +300,9 @@ class _TQClient(DataPlaneClient):
                 f"never written for some of rows {list(rows)[:8]}; get only what an op upstream has put. "
                 f"TransferQueue said: {e}"
             ) from None
-        return {c: _from_tq(data.get(c)) for c in columns}
+        out = {c: _from_tq(data.get(c)) for c in columns}
+        self._count_locality(meta, list(out.values()))
+        return out
 
     def close(self) -> None:
         if self._loop is None:
@@ -283,9 +318,10 @@ class TransferQueueHandle(DataPlaneHandle):
 
     controller: Any
     op_timeout_s: float = 60.0
+    unit_nodes: tuple[str, ...] = ()  # the Ray node of each storage unit, in unit order
 
     def connect(self) -> DataPlaneClient:
-        return _TQClient(self.controller, self.op_timeout_s)
+        return _TQClient(self.controller, self.op_timeout_s, self.unit_nodes)
 
 
 class TransferQueueDataPlane(_TQClient, DataPlane):
@@ -303,6 +339,9 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
             except ValueError:  # another TQ layout: the controller is still watched
                 pass
         self._watch = lambda: dead_actors(self._actors)
+        units = [self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
+        self.unit_nodes = _actor_nodes(units) if all(units) else ()
+        self._unit_nodes = self.unit_nodes
         self._owner_pid = os.getpid()
         self._closed = False
 
@@ -348,7 +387,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:
-        return TransferQueueHandle(self._controller, self.config.op_timeout_s)
+        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self.unit_nodes)
 
     def actors(self) -> dict[str, Any]:
         return dict(self._actors)
