@@ -88,11 +88,11 @@ def test_rloo_by_hand():
     # group 0 (n=4) scores [4, 0, 2, 2], mean 2: A_i = s_i - mean of the other three
     #   4 - (0+2+2)/3 = 8/3 ; 0 - 8/3 = -8/3 ; 2 - 6/3 = 0 ; 0
     #   = s*4/3 - 2*4/3: 16/3 - 8/3 = 8/3 (same)
-    # group 5 has one sample: no others to compare with, advantage 0
+    # group 5 has one sample: no others to compare with, baseline 0 (verl's rule): its score 9
     rewards, mask = _outcome([4, 0, 2, 2, 9], [3, 1, 2, 3, 3])
     uid = torch.tensor([0, 0, 0, 0, 5])
     res = compute_advantage("rloo", rewards, mask, uid)
-    want = torch.tensor([8 / 3, -8 / 3, 0.0, 0.0, 0.0]).unsqueeze(-1) * mask
+    want = torch.tensor([8 / 3, -8 / 3, 0.0, 0.0, 9.0]).unsqueeze(-1) * mask
     torch.testing.assert_close(res.advantages, want)
 
 
@@ -171,6 +171,23 @@ def test_shape_errors_for_values_and_rank():
         compute_advantage("gae", torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([0, 1]), values=torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"token_level_rewards must be \[b, T\], got shape \(3,\)"):
         compute_advantage("reinforce_plus_plus", torch.zeros(3), torch.ones(3), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("estimator,want", [
+    ("grpo", 3.0 / (1 + 1e-6)),  # (s - 0) / (1 + eps)
+    ("drgrpo", 3.0),  # s - 0
+    ("rloo", 3.0),  # s - 0: no others, baseline 0
+])
+def test_a_group_of_one_passes_its_raw_score_through_in_every_group_estimator(estimator, want):
+    """One rule, verl's, for every group estimator: a group of one has baseline 0 (and std 1)."""
+    rewards, mask = _outcome([3, 1, 5], [2, 1, 2])
+    uid = torch.tensor([4, 0, 0])  # row 0 is alone in its group
+    res = compute_advantage(estimator, rewards, mask, uid)
+    torch.testing.assert_close(res.advantages[0], torch.tensor([want, want, 0.0]) * mask[0])
+    # reinforce_plus_plus_baseline (whitened afterwards): the alone row enters as its raw score 3
+    base = compute_advantage("reinforce_plus_plus_baseline", rewards, mask, uid)
+    # scores [3 | 1, 5]: 3 - 0 = 3 ; 1 - 3 = -2 ; 5 - 3 = 2 -> tokens 3, 3, -2, 2, 2, whitened
+    torch.testing.assert_close(base.advantages[mask.bool()], _whiten_by_hand([3, 3, -2, 2, 2]))
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])

@@ -89,6 +89,14 @@ def _group_stats(scores: Tensor, uid: Tensor) -> _Groups:
     return _Groups(size=size[group], mean=mean[group], std=std[group])
 
 
+def _baseline(groups: _Groups) -> tuple[Tensor, Tensor]:
+    """Each sample's group mean and std under the one rule for groups of one (verl's, for every
+    group estimator): a group of one has baseline 0 and std 1, so its advantage is its raw score."""
+    single = groups.size == 1
+    return (torch.where(single, torch.zeros_like(groups.mean), groups.mean),
+            torch.where(single, torch.ones_like(groups.std), groups.std))
+
+
 def gae_advantages(
     token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> AdvantageResult:
@@ -131,10 +139,7 @@ def grpo_advantages(
     _check("grpo_advantages", token_level_rewards, response_mask, uid=uid)
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _scores(token_level_rewards, mask)
-    groups = _group_stats(scores, uid)
-    single = groups.size == 1
-    mean = torch.where(single, torch.zeros_like(groups.mean), groups.mean)
-    std = torch.where(single, torch.ones_like(groups.std), groups.std)
+    mean, std = _baseline(_group_stats(scores, uid))
     if norm_adv_by_std:
         # A_i = (s_i - mean_g) / (std_g + eps)
         adv = (scores - mean) / (std + eps)
@@ -148,8 +153,8 @@ def grpo_advantages(
 def rloo_advantages(token_level_rewards: Tensor, response_mask: Tensor, uid: Tensor) -> AdvantageResult:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024): baseline = mean score of the others.
 
-    A group of one has no "others": its advantage is 0 (no baseline, no signal). verl
-    instead passes the raw score through; we follow the project brief.
+    A group of one has no "others": baseline 0, so its advantage is its raw score (verl's rule,
+    the same for every group estimator here; see `_baseline`).
     """
     _check("rloo_advantages", token_level_rewards, response_mask, uid=uid)
     mask = response_mask.to(token_level_rewards.dtype)
@@ -158,7 +163,8 @@ def rloo_advantages(token_level_rewards: Tensor, response_mask: Tensor, uid: Ten
     n = groups.size
     # A_i = s_i - mean_{j != i} s_j = s_i * n/(n-1) - mean_g * n/(n-1)
     scale = n / (n - 1).clamp(min=1)
-    adv = torch.where(n > 1, scores * scale - groups.mean * scale, torch.zeros_like(scores))
+    mean, _ = _baseline(groups)
+    adv = torch.where(n > 1, scores * scale - mean * scale, scores - mean)  # n = 1: s - 0
     advantages = adv.unsqueeze(-1) * mask
     return AdvantageResult(advantages=advantages, returns=advantages)
 
@@ -195,8 +201,7 @@ def reinforce_pp_baseline_advantages(
     _check("reinforce_pp_baseline_advantages", token_level_rewards, response_mask, uid=uid)
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _scores(token_level_rewards, mask)
-    groups = _group_stats(scores, uid)
-    mean = torch.where(groups.size == 1, torch.zeros_like(groups.mean), groups.mean)
+    mean, _ = _baseline(_group_stats(scores, uid))
     # A_{i,t} = whiten(s_i - mean_g)
     centred = (scores - mean).unsqueeze(-1) * mask
     advantages = masked_whiten(centred, mask) * mask
