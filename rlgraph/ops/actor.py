@@ -25,8 +25,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from rlgraph.errors import InvariantError
-from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, kl_loss, logprobs_from_logits,
-                               masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
+from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, gspo_policy_loss, kl_loss,
+                               logprobs_from_logits, masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.sequences import pack, response_logits, split_rows
@@ -225,6 +225,7 @@ class ActorWorker(TrainerMixin):
                      policy_version_end: torch.Tensor | None = None, *, lr: float,
                      weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
                      loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                     loss_mode: str,
                      entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
                      tis_cap: float, decoupled_cap: float, ctx: Any) -> dict[str, Any]:
         if self.rollout_engine is not None:
@@ -257,13 +258,20 @@ class ActorWorker(TrainerMixin):
             logits = out.logits[:, P - 1:P - 1 + R, :].float() / temperature
             logp = logprobs_from_logits(logits, mb["input_ids"][:, P:])
             m = mb["response_mask"]
-            pg = policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
-                             clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, agg_mode=loss_agg_mode,
-                             global_tokens=global_tokens, global_seqs=global_seqs, is_weights=mb.get("is_weights"))
+            if loss_mode == "gspo":  # sequence-level ratio, aggregated seq-mean-token-mean
+                pg = gspo_policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
+                                      clip_ratio_high=clip_ratio_high, global_seqs=global_seqs,
+                                      is_weights=mb.get("is_weights"))
+            else:
+                pg = policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
+                                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, agg_mode=loss_agg_mode,
+                                 global_tokens=global_tokens, global_seqs=global_seqs,
+                                 is_weights=mb.get("is_weights"))
             loss = pg.loss
             # metrics as local means: the engine averages them over micro-batches (the loss itself is
             # normalised by the global token count, so it sums instead)
-            metrics = {"pg_loss": float(agg_loss(pg.pg_losses.detach(), m, loss_agg_mode)),
+            pg_agg = "seq-mean-token-mean" if loss_mode == "gspo" else loss_agg_mode
+            metrics = {"pg_loss": float(agg_loss(pg.pg_losses.detach(), m, pg_agg)),
                        "pg_clipfrac": float(pg.clipfrac), "ppo_kl": float(pg.approx_kl)}
             if "is_weights" in mb:  # truncated IS or decoupled PPO's behaviour weights
                 key = "behaviour_weight_mean" if decoupled_cap > 0 else "tis_weight_mean"

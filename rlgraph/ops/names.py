@@ -10,10 +10,11 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["AGG_MODES", "KL_KINDS", "ESTIMATORS", "ESTIMATOR_NEEDS", "ON_ERROR", "EXECUTORS", "ENGINE_BACKENDS"]
+__all__ = ["AGG_MODES", "LOSS_MODES", "KL_KINDS", "ESTIMATORS", "ESTIMATOR_NEEDS", "ON_ERROR", "EXECUTORS", "ENGINE_BACKENDS"]
 
 # how token losses are aggregated (BRIEF section 3)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_MODES = ("vanilla", "gspo")  # actor.loss_mode: PPO clip per token, or GSPO per sequence
 
 # per-token KL estimators: k1 (kl), abs, k2 (mse), k3 (low_var_kl)
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -16,7 +16,8 @@ from rlgraph.errors import DeclarationError, Problem
 from rlgraph.graph.columns import ColumnType, T
 from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
-from rlgraph.ops.names import AGG_MODES, ENGINE_BACKENDS, ESTIMATOR_NEEDS, ESTIMATORS, EXECUTORS, KL_KINDS, ON_ERROR
+from rlgraph.ops.names import (AGG_MODES, ENGINE_BACKENDS, ESTIMATOR_NEEDS, ESTIMATORS, EXECUTORS, KL_KINDS, LOSS_MODES,
+                                ON_ERROR)
 
 __all__ = [
     "COLUMNS",
@@ -504,6 +505,10 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
             "clip_ratio_low": Param(float, 0.2, "PPO clip below 1 (eps_low)", minimum=0.0),
             "clip_ratio_high": Param(float, 0.2, "PPO clip above 1 (eps_high)", minimum=0.0),
             "clip_ratio_c": Param(float, 3.0, "dual-clip bound for negative advantages", minimum=1.0),
+            "loss_mode": Param(str, "vanilla", "policy loss: vanilla (PPO clip, dual clip, per token) or gspo "
+                               "(one ratio per sequence, the geometric mean of its token ratios, clipped per "
+                               "sequence, aggregated seq-mean-token-mean; use clip ratios like 3e-4 / 4e-4)",
+                               choices=LOSS_MODES),
             "entropy_coeff": Param(float, 0.0, "entropy bonus coefficient", minimum=0.0),
             "use_kl_loss": Param(bool, False, "add kl_loss_coef * KL(policy || ref) to the loss (GRPO style)"),
             "kl_loss_coef": Param(float, 0.001, "KL loss coefficient", minimum=0.0),

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlgraph.ops.algos.losses import policy_loss, value_loss
+from rlgraph.ops.algos.losses import gspo_policy_loss, policy_loss, value_loss
 
 # five tokens, eps = 0.2, clip_ratio_c = 3:
 #   A =  1, ratio e   : -A*r = -e,  -A*clip = -1.2 -> max = -1.2   (clipped)
@@ -107,3 +107,38 @@ def test_value_loss_errors():
         value_loss(v, v, v, v, cliprange_value=-0.5)
     with pytest.raises(ValueError, match=r"'returns' has shape \(1, 3\) but 'values' has shape \(1, 2\)"):
         value_loss(v, v, torch.zeros(1, 3), v)
+
+
+def test_gspo_by_hand():
+    """GSPO: one ratio per sequence, the geometric mean of its token ratios, clipped per sequence.
+
+    eps_low = 0.2, eps_high = 0.04.
+      seq 0, 2 valid tokens, log r = [0.2, -0.1] (a padding token with log r = 5 is ignored):
+        s = exp(0.05) = 1.05127 > 1.04; A = 1: max(-1.05127, -1.04) = -1.04 (clipped), both tokens
+      seq 1, 3 tokens, log r = [-0.3, 0, 0]: s = exp(-0.1) = 0.904837, inside; A = -2: 1.809675
+      seq-mean-token-mean: (-1.04 + 1.809675) / 2 = 0.3848375
+      clipfrac: the 2 clipped tokens of 5; approx_kl = mean(-log r) = (-0.2 + 0.1 + 0.3) / 5 = 0.04
+      gradient: seq 0 clipped -> 0; seq 1 token t: d/dlogp_t of (1/2)(1/3) sum_t 2 s = s / 3 = 0.301612
+    """
+    old = torch.tensor([[-1.0, -2.0, -1.0], [-0.5, -1.5, -2.5]])
+    logp = (old + torch.tensor([[0.2, -0.1, 5.0], [-0.3, 0.0, 0.0]])).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0]])
+    res = gspo_policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.04)
+    assert float(res.loss.detach()) == pytest.approx(0.3848375, abs=1e-6)
+    assert float(res.clipfrac) == pytest.approx(0.4) and float(res.approx_kl) == pytest.approx(0.04, abs=1e-6)
+    torch.testing.assert_close(res.pg_losses[1], torch.full((3,), 2 * math.exp(-0.1)))
+    res.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.0], [math.exp(-0.1) / 3] * 3]))
+
+
+def test_gspo_equals_ppo_when_every_token_has_the_sequence_ratio():
+    """If each token's ratio already equals its sequence's geometric mean and nothing clips, GSPO's
+    loss is vanilla PPO's under the same seq-mean-token-mean aggregation."""
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+    logp = old + torch.tensor([[0.01, 0.01], [-0.02, -0.02]])
+    mask = torch.ones(2, 2)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    gspo = gspo_policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    ppo = policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, agg_mode="seq-mean-token-mean")
+    assert float(gspo.loss) == pytest.approx(float(ppo.loss), abs=1e-6)

@@ -33,10 +33,19 @@ from rlgraph.ops.algos.kl import (
     kl_loss,
     kl_penalty,
 )
-from rlgraph.ops.algos.losses import PolicyLossResult, ValueLossResult, policy_loss, value_loss
+from rlgraph.ops.algos.losses import (
+    LOSS_MODES,
+    PolicyLossResult,
+    ValueLossResult,
+    gspo_policy_loss,
+    policy_loss,
+    value_loss,
+)
 from rlgraph.ops.algos.rollout_correction import ProbsDiff, decoupled_weights, rollout_probs_diff, truncated_is_weights
 
 __all__ = [
+    "LOSS_MODES",
+    "gspo_policy_loss",
     "AGG_MODES",
     "ESTIMATORS",
     "KL_KINDS",

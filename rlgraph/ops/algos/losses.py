@@ -13,8 +13,10 @@ import torch
 from torch import Tensor
 
 from rlgraph.ops.algos.core import agg_loss, check_same_shape, masked_mean
+from rlgraph.ops.names import LOSS_MODES
 
-__all__ = ["PolicyLossResult", "ValueLossResult", "policy_loss", "value_loss"]
+__all__ = ["LOSS_MODES", "PolicyLossResult", "ValueLossResult", "gspo_policy_loss", "policy_loss", "value_loss"]
+
 
 
 class PolicyLossResult(NamedTuple):
@@ -97,6 +99,56 @@ def policy_loss(
     return PolicyLossResult(
         loss=loss, pg_losses=pg_losses, clipfrac=clipfrac, clipfrac_lower=clipfrac_lower, approx_kl=approx_kl
     )
+
+
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float | None = 4e-4,
+    global_seqs: int | float | None = None,
+    is_weights: Tensor | None = None,
+) -> PolicyLossResult:
+    """GSPO (Zheng et al. 2025, Group Sequence Policy Optimization), as verl defines it: one
+    importance ratio per sequence, the geometric mean of its token ratios, clipped per sequence.
+
+    s_i = exp(mean_t log r_{i,t}) over the valid tokens of sequence i; each token carries
+    s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)] (the same value s_i, with the gradient of the token's
+    own log-prob), and L = max(-A * s, -A * clip(s, 1 - eps_low, 1 + eps_high)), aggregated
+    "seq-mean-token-mean" whatever actor.loss_agg_mode says (verl does the same). No dual clip.
+    The paper's clip ranges are tiny (3e-4, 4e-4) because the ratio is a per-token geometric mean.
+    """
+    check_same_shape(
+        "gspo_policy_loss", logp=logp, old_logp=old_logp, advantages=advantages, response_mask=response_mask
+    )
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0):
+        raise ValueError(f"gspo_policy_loss: clip_ratio_low={clip_ratio_low!r} must be in [0, 1) and "
+                         f"clip_ratio_high={clip_ratio_high!r} >= 0")
+    mask = response_mask.to(logp.dtype)
+    # log r_t = log pi(y_t) - log pi_old(y_t)
+    log_ratio = logp - old_logp
+    # log s_i = sum_t m_t log r_t / |y_i|   (a row without valid tokens: 0)
+    seq_log_ratio = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    # log s_{i,t} = log pi(y_t) - sg[log pi(y_t)] + sg[log s_i]; clamped at 10 so exp() stays finite
+    token_log_ratio = torch.clamp(logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(token_log_ratio)
+    # L1 = -A * s ; L2 = -A * clip(s, 1 - eps_low, 1 + eps_high) ; L = max(L1, L2)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if is_weights is not None:
+        check_same_shape("gspo_policy_loss", logp=logp, is_weights=is_weights)
+        pg_losses = pg_losses * is_weights.detach()
+    loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", global_seqs=global_seqs)
+    with torch.no_grad():
+        clipfrac = masked_mean((pg_losses2 > pg_losses1).to(logp.dtype), response_mask)
+        approx_kl = masked_mean(-log_ratio, response_mask)
+    return PolicyLossResult(loss=loss, pg_losses=pg_losses, clipfrac=clipfrac,
+                            clipfrac_lower=torch.zeros_like(clipfrac), approx_kl=approx_kl)
 
 
 def value_loss(
