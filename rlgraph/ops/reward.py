@@ -29,7 +29,7 @@ from rlgraph.ops.rewards import RewardFnError
 from rlgraph.ops.scoring import RewardScorer
 from rlgraph.ops.training import section
 
-__all__ = ["RewardWorker", "combine_rewards"]
+__all__ = ["RewardWorker", "combine_rewards", "overlong_penalty", "overlong_penalties"]
 
 
 
@@ -95,6 +95,42 @@ class RewardWorker:
     def close(self) -> None:
         for scorer in self.scorers.values():
             scorer.close()
+
+
+def overlong_penalties(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response length (verl's DAPO reward manager):
+    ``min(-(L - (max_len - buffer_len)) / buffer_len * factor, 0)``: 0 up to ``max_len -
+    buffer_len`` tokens, then falling linearly to ``-factor`` at ``max_len``."""
+    if not 1 <= buffer_len <= max_len:
+        raise ValueError(f"overlong buffer_len={buffer_len} must be between 1 and the maximum response length "
+                         f"{max_len}; lower buffer_len or raise rollout.max_new_tokens")
+    expected = max_len - buffer_len
+    exceed = lengths.float() - expected
+    return torch.clamp(-exceed / buffer_len * factor, max=0.0)
+
+
+def overlong_penalty(response_mask: torch.Tensor, *, score_column: str, buffer_len: int, penalty_factor: float,
+                     max_response_length: int, ctx: Any, **inputs: Any) -> dict[str, Any]:
+    """Body of `stages.overlong_penalty`: ``token_level_scores = <score_column> + penalty`` on each
+    response's last token."""
+    max_len = int(max_response_length) or int(section(ctx, "rollout").get("max_new_tokens", 0))
+    if max_len <= 0:
+        raise ValueError(f"{ctx.op}: no maximum response length: set {ctx.op}.max_response_length or "
+                         f"rollout.max_new_tokens")
+    scores = inputs[score_column].float()
+    mask = response_mask[:, :scores.shape[1]].to(scores.dtype)
+    lengths = mask.sum(dim=1)
+    penalty = overlong_penalties(lengths, max_len, int(buffer_len), float(penalty_factor))
+    real = torch.tensor([not p for p in ctx.is_padding], dtype=torch.bool) & (lengths > 0)
+    penalty = torch.where(real, penalty, torch.zeros_like(penalty))
+    out = scores.clone()
+    last = (lengths.long() - 1).clamp(min=0)
+    rows = torch.arange(len(out))[real]
+    out[rows, last[real]] += penalty[real]
+    n = int(real.sum())
+    metrics = {"penalised_frac": float((penalty[real] < 0).float().mean()) if n else 0.0,
+               "penalty_mean": float(penalty[real].mean()) if n else 0.0}
+    return {ctx.outputs[0]: out, ctx.outputs[1]: metrics}
 
 
 def combine_rewards(response_mask: torch.Tensor, *, ctx: Any, **inputs: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ __all__ = [
     "reward",
     "reward_model",
     "combine_rewards",
+    "overlong_penalty",
     "old_logprob",
     "ref",
     "values",
@@ -303,6 +304,34 @@ def combine_rewards(weights: Mapping[str, float], group: str = "reward", name: s
         impl="rlgraph.ops.reward:combine_rewards",
         cost=0.1,
         doc="Mixed reward: a weighted sum of rule and model scores.",
+    ).with_(**changes)
+
+
+def overlong_penalty(score_column: str = "rule_scores", group: str = "reward", name: str = "overlong",
+                     **changes: Any) -> OpSpec:
+    """DAPO's soft overlong punishment: a response longer than ``max_response_length -
+    buffer_len`` tokens loses ``penalty_factor`` times the fraction of the buffer it ran into,
+    added to ``score_column`` on its last token; the result is ``token_level_scores``. Give the
+    reward op ``score_column=score_column`` so that this op sits between it and the advantage."""
+    return OpSpec(
+        name=name,
+        inputs={score_column: T.float32(R), **_cols("response_mask")},
+        outputs={**_cols("token_level_scores"), f"{name}_metrics": T.json().metric()},
+        granularity="sample",
+        group=group,
+        params={
+            "score_column": Param(str, score_column, "the score column the penalty is added to (set by the "
+                                  "declaration)", choices=(score_column,)),
+            "buffer_len": Param(int, 4, "overlong buffer: the last this many tokens before the maximum length are "
+                                "penalised linearly (DAPO's overlong_buffer.len)", minimum=1),
+            "penalty_factor": Param(float, 1.0, "penalty at the maximum length (DAPO's overlong_buffer."
+                                    "penalty_factor)", minimum=0.0),
+            "max_response_length": Param(int, 0, "the maximum response length the buffer ends at (0: "
+                                         "rollout.max_new_tokens)", minimum=0),
+        },
+        impl="rlgraph.ops.reward:overlong_penalty",
+        cost=0.05,
+        doc="Soft overlong punishment (DAPO): a linear penalty in the last buffer_len tokens.",
     ).with_(**changes)
 
 

@@ -96,3 +96,29 @@ def test_gspo_loss_mode_trains_the_grpo_example(model_dir, tq_plane, tmp_path):
     before = load_file(str(Path(model_dir) / "model.safetensors"))
     (state,) = load_state(tmp_path / "checkpoints" / "step_0", "actor_0")["instances"].values()
     assert any(not torch.equal(v, before[k]) for k, v in state["model"].items() if k in before)
+
+
+def test_overlong_penalty_between_the_reward_and_the_advantage(model_dir, tq_plane, tmp_path):
+    """stages.overlong_penalty in the GRPO example: the rule reward writes rule_scores, the penalty
+    op adds DAPO's soft overlong punishment and writes token_level_scores for the advantage."""
+    import dataclasses
+
+    from rlgraph.ops import stages
+
+    pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
+    ops = []
+    for op in pipeline.ops:
+        if op.name == "reward":
+            ops += [stages.reward(group="reward", score_column="rule_scores"),
+                    stages.overlong_penalty("rule_scores", group="reward")]
+        else:
+            ops.append(op)
+    shaped = dataclasses.replace(pipeline, ops=ops)
+    # responses of at most 4 tokens (rollout.max_new_tokens), a buffer of 3: 2 tokens -> -1/3 ...
+    plan = rlgraph.compile(shaped, [f"actor.model_path={model_dir}", "data.batch_size=4", "rollout.n=4",
+                                    "actor.mini_batch_size=2", "data.num_rows=64", "overlong.buffer_len=3"],
+                           pipeline_ref=ref)
+    (rec,) = run_plan(plan, RunOptions(out_dir=tmp_path, steps=1, timeout_s=300), plane=tq_plane)
+    assert rec["overlong/overlong_metrics/penalty_mean"] < 0  # some responses ran into the buffer
+    assert 0 < rec["overlong/overlong_metrics/penalised_frac"] <= 1
+    assert math.isfinite(rec["update_actor/actor_metrics/loss"])

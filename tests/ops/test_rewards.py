@@ -138,3 +138,31 @@ def test_score_batch_errors_name_the_sample():
 def test_parse_answer():
     assert rewards.parse_answer("  12<eos>") == "12"
     assert rewards.parse_answer("<pad>") == ""
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO's soft overlong punishment, max length 8, buffer 4, factor 1: no penalty up to 4 tokens,
+    then -(L - 4) / 4: L=6 -> -0.5, L=8 -> -1. On the last response token, added to the score."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlgraph.ops.reward import overlong_penalties, overlong_penalty
+
+    torch.testing.assert_close(overlong_penalties(torch.tensor([3, 4, 6, 8]), 8, 4, 1.0),
+                               torch.tensor([0.0, 0.0, -0.5, -1.0]))
+    torch.testing.assert_close(overlong_penalties(torch.tensor([7]), 8, 4, 0.5), torch.tensor([-0.375]))
+    lengths = [3, 6, 8, 0]  # the last row is padding
+    mask = torch.tensor([[1] * n + [0] * (8 - n) for n in lengths])
+    scores = torch.zeros(4, 8)
+    scores[0, 2], scores[1, 5], scores[2, 7] = 1.0, 1.0, 0.0
+    ctx = SimpleNamespace(op="overlong", is_padding=[False, False, False, True],
+                          config={"rollout": {"max_new_tokens": 8}}, outputs=["token_level_scores", "overlong_metrics"])
+    out = overlong_penalty(mask, score_column="rule_scores", buffer_len=4, penalty_factor=1.0, max_response_length=0,
+                           ctx=ctx, rule_scores=scores)
+    want = scores.clone()
+    want[1, 5], want[2, 7] = 0.5, -1.0
+    torch.testing.assert_close(out["token_level_scores"], want)
+    assert out["overlong_metrics"] == pytest.approx({"penalised_frac": 2 / 3, "penalty_mean": -0.5})
+    with pytest.raises(ValueError, match="buffer_len=9 must be between 1 and the maximum response length 8"):
+        overlong_penalties(torch.tensor([3]), 8, 9, 1.0)
