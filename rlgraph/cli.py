@@ -284,6 +284,9 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
 
     plan = _plan_or_compile(target, overrides)
     out = out_dir or Path("runs") / plan.pipeline
+    what = "loaded" if _is_plan(target) else "compiled"
+    click.echo(f"{what} {plan.pipeline!r}: {len(plan.ops)} ops in {len(plan.schedule.stages)} stages, "
+               f"{len(plan.groups)} worker groups; {_padding_line(plan)}", err=True)
     if not _is_plan(target):
         plan.save(out / "plan.json")
         _draw(plan, out / "pipeline.svg")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
@@ -44,8 +44,11 @@ class Fleet:
     """Ray, the data plane, the worker actors and the source of one run. Use as a context manager."""
 
     def __init__(self, plan: Plan, timeout_s: float, dataplane: str | None = None, address: str | None = None,
-                 plane: Any = None, on_ray_started: Any = None, verbose: bool = False) -> None:
-        """`plane`: an already started data plane to use (and leave running), e.g. a test session's."""
+                 plane: Any = None, on_ray_started: Any = None, verbose: bool = False,
+                 on_phase: Callable[[str], None] | None = None) -> None:
+        """`plane`: an already started data plane to use (and leave running), e.g. a test session's.
+        `on_phase` is told, in a line each, when a start-up phase is done and how long it took."""
+        self._on_phase = on_phase or (lambda message: None)
         self.plan = plan
         self.timeout_s = timeout_s
         self._plan_json = plan.model_dump_json()
@@ -80,13 +83,23 @@ class Fleet:
         import ray
         from ray.util.placement_group import placement_group
 
+        t0 = time.time()
         self.ray = start_ray(self.plan, self._address, self._verbose)
         if self._on_ray_started:
             self._on_ray_started()
         check_cluster(self.plan)  # before any actor: fail with a list, never hang
         self.nodes = alive_nodes()  # the cluster as the run found it (a restart checks for lost nodes)
+        cpus = sum(n.get("CPU", 0.0) for n in self.nodes.values())
+        how = ("joined " + self._address if self._address else "started on 127.0.0.1") if self.ray.started_here \
+            else "already running"
+        self._on_phase(f"Ray: {how}, {len(self.nodes)} node(s), {cpus:g} CPUs ({time.time() - t0:.1f}s)")
         if self.plane is None:
+            t0 = time.time()
             self.plane = self._start_dataplane()
+            units = int(self.plan.config.get("dataplane", {}).get("storage_units", 1))
+            kind = "Ray object store" if self._backend == "ray" else f"TransferQueue, {units} storage unit(s)"
+            self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s)")
+        t0 = time.time()
         for pool in self.plan.pools:
             bundles = [{"CPU": max(b.num_cpus, 0.01), **({"GPU": b.num_gpus} if b.num_gpus else {})}
                        for b in pool.bundles]
@@ -102,7 +115,13 @@ class Fleet:
             self._create_group(g.name)
         self._create_source()
         names = list(self.workers)
-        self._setup_groups(names)
+        meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+        actors = sum(len(ws) for ws in self.workers.values())
+        self._on_phase(f"workers: {actors} actor(s) in {len(names)} group(s) and the data source on "
+                       f"{len(self._pgs)} pool(s) ({time.time() - t0:.1f}s)")
+        t0 = time.time()
+        self._setup_groups(names, meet)
+        self._on_phase(f"model load: op imports and worker setup, models included ({time.time() - t0:.1f}s)")
         self.initial_source_state = self.get([self.source.state_dict.remote()], "the data source to start")[0]
         has_state = self.get([self.workers[g][0].has_instance_state.remote() for g in names], "worker state inventory")
         state_ops = self.plan.state_ops()
@@ -146,9 +165,10 @@ class Fleet:
 
         self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, self.plane.handle())
 
-    def _setup_groups(self, names: list[str]) -> None:
+    def _setup_groups(self, names: list[str], meet: list[Any] | None = None) -> None:
         # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
-        meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+        if meet is None:
+            meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
         ranks = [(g, r) for g in names for r in range(len(self.workers[g]))]
         setups = [self.workers[g][r].setup.remote(*meet[names.index(g)]) for g, r in ranks]
         nodes = self.get(setups, "worker start-up (op imports, worker classes' setup: model loading)")

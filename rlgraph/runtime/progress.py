@@ -32,6 +32,7 @@ class Reporter:
     def chunk_done(self, step: int, op: str) -> None: ...
     def step_done(self, record: Mapping[str, Any]) -> None: ...
     def fault(self, message: str) -> None: ...  # one line per fault: what died, what was done about it
+    def phase(self, message: str) -> None: ...  # one line per start-up phase: what is ready, in how long
     def close(self) -> None: ...
 
 
@@ -52,6 +53,9 @@ class LogReporter(Reporter):
               flush=True)
 
     def fault(self, message: str) -> None:
+        print(f"rlgraph: {message}", file=self.stream, flush=True)
+
+    def phase(self, message: str) -> None:
         print(f"rlgraph: {message}", file=self.stream, flush=True)
 
 
@@ -88,6 +92,9 @@ class RichReporter(Reporter):
     def fault(self, message: str) -> None:
         self.progress.console.print(f"rlgraph: {message}")
 
+    def phase(self, message: str) -> None:
+        self.progress.console.print(f"rlgraph: {message}")
+
     def close(self) -> None:
         self.progress.stop()
 
@@ -115,7 +122,7 @@ class _Many(Reporter):
         self.reporters = reporters
 
     def __getattribute__(self, name: str):
-        if name in ("start", "step_started", "chunk_done", "step_done", "fault", "close"):
+        if name in ("start", "step_started", "chunk_done", "step_done", "fault", "phase", "close"):
             def fan_out(*a: Any, **k: Any) -> None:
                 for r in object.__getattribute__(self, "reporters"):
                     getattr(r, name)(*a, **k)

@@ -149,9 +149,9 @@ class Runner:
         self.depth = int(trainer.get("max_staleness", 0)) + 1  # steps in flight
         self.max_retries = int(options.max_retries if options.max_retries is not None
                                else trainer.get("max_retries", 2))
-        self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
-                           options.verbose)
         self.reporter: Reporter = options.reporter or Reporter()
+        self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
+                           options.verbose, on_phase=lambda message: self.reporter.phase(message))
         # op-call spans of the latest steps, one list per step (bounded: a long run's driver stays flat)
         self._spans: deque[list[Span]] = deque(maxlen=options.trace_steps or None)
         self.written = 0  # steps whose records this run wrote

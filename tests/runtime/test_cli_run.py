@@ -52,6 +52,12 @@ def test_run_then_ctrl_c_stops_everything_it_started(tmp_path, sig):
     output = (tmp_path / "log.txt").read_text()
     assert proc.returncode == 130, output
     assert "interrupted" in output
+    # what a user sees before the first step: the compile summary, then one line per start-up phase
+    lines = [ln for ln in output.splitlines() if ln.startswith(("compiled ", "rlgraph: "))]
+    phases = ["compiled ", "rlgraph: Ray: started on 127.0.0.1", "rlgraph: data plane: ", "rlgraph: workers: ",
+              "rlgraph: model load: ", "rlgraph: running steps 0..499"]
+    assert [next((i for i, ln in enumerate(lines) if ln.startswith(p)), None) for p in phases] == \
+        list(range(len(phases))), output
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"left running: {[p.info if hasattr(p, 'info') else p.pid for p in alive]}"
     first = json.loads(metrics.read_text().splitlines()[0])
