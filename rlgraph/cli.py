@@ -167,6 +167,24 @@ def cli() -> None:
     PIPELINE is a Python file (examples/ppo.py) or module:attr (mypkg.pipelines:ppo).
     Exit status: 0 ok, 1 a problem with the pipeline, config or plan, 2 bad usage.
     """
+    _notices_as_lines()
+
+
+def _notices_as_lines() -> None:
+    """verl-alias notices as one line each on stderr (not Python's warning format with a path)."""
+    import warnings
+
+    from rlgraph.graph.verl import VerlAliasNotice
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        if issubclass(category, VerlAliasNotice):
+            click.echo(f"rlgraph: {message}", err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 @cli.command("compile", epilog=_OVERRIDES_HELP)

@@ -145,11 +145,12 @@ def test_describe_width_option():
 
 def test_describe_config_lists_every_key_with_type_default_value_and_doc():
     out = ok(invoke("describe", PPO, "--config", "actor.lr=1e-6"))
-    assert re.search(r"^ key\s+type\s+default\s+value\s+doc$", out, re.M)
+    assert re.search(r"^ key\s+type\s+default\s+value\s+verl alias\s+doc$", out, re.M)
     # default 1e-06 from the stage, 0.0001 from the example's config, 1e-06 from the override
-    assert re.search(r"^ actor\.lr\s+float\s+1e-06\s+1e-06 \(override\)\s+learning rate \(>= 0\)$", out, re.M)
-    assert re.search(r"^ rollout\.backend\s+str\s+hf\s+hf\s+hf: transformers generate", out, re.M)
-    assert re.search(r"^ groups\.critic\.dp\s+int\s+1\s+1\s+data-parallel size", out, re.M)
+    assert re.search(r"^ actor\.lr\s+float\s+1e-06\s+1e-06 \(override\)\s+actor_rollout_ref\.actor\.optim\.lr\s+"
+                     r"learning rate \(>= 0\)$", out, re.M)
+    assert re.search(r"^ rollout\.backend\s+str\s+hf\s+hf\s+-\s+hf: transformers generate", out, re.M)
+    assert re.search(r"^ groups\.critic\.dp\s+int\s+1\s+1\s+-\s+data-parallel size", out, re.M)
     pipeline, _ = load_pipeline(PPO)
     from rlgraph.graph.build import config_schema
 

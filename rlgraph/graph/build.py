@@ -20,6 +20,7 @@ from rlgraph.graph.columns import ColumnType
 from rlgraph.graph.config import Param, flatten, parse_overrides, resolve_config
 from rlgraph.graph.dsl import DATAPLANE_PARAMS, TRAINER_PARAMS, OpSpec, Pipeline
 from rlgraph.graph.packing import Packing, Slot, dataplane_actors, pack, pool_placement
+from rlgraph.graph.verl import translate_verl_keys
 
 __all__ = ["BuiltGraph", "ResolvedGroup", "config_schema", "build"]
 
@@ -170,6 +171,8 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
         overrides = [overrides]
     raw = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
     schema, problems = config_schema(pipeline)
+    raw, alias_problems = translate_verl_keys(raw, schema)  # verl's key names, with a notice each
+    problems += alias_problems
     config, cfg_problems = resolve_config(schema, flatten(pipeline.config), raw)
     problems += cfg_problems
 

@@ -207,10 +207,12 @@ def _doc(p: Param) -> str:
 def config_schema_table(schema: Mapping[str, Param], config: Mapping[str, Any],
                         overrides: Mapping[str, str] | None = None) -> Table:
     """Every config key of a pipeline: type, default, current value and doc, in schema order."""
-    t = _table("config keys", "key", "type", "default", "value", "doc")
+    from rlgraph.graph.verl import aliases_of
+
+    t = _table("config keys", "key", "type", "default", "value", "verl alias", "doc")
     for key, p in schema.items():
         value = format_value(config.get(key, p.default)) + (" (override)" if key in (overrides or {}) else "")
-        _row(t, key, p.type_name, format_value(p.default), value, _doc(p))
+        _row(t, key, p.type_name, format_value(p.default), value, ", ".join(aliases_of(key)) or "-", _doc(p))
     return t
 
 

@@ -1,0 +1,66 @@
+"""verl's config keys as aliases of rlgraph's: renamed with a notice, never silently ignored."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import rlgraph
+from rlgraph import PipelineError
+from rlgraph.graph.verl import VERL_ALIASES, VerlAliasNotice, aliases_of
+
+
+def _compile(pipeline, overrides):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = rlgraph.compile(pipeline, overrides)
+    return plan, [str(w.message) for w in caught if issubclass(w.category, VerlAliasNotice)]
+
+
+def test_a_verl_command_line_compiles_to_the_same_plan_as_rlgraph_keys(ppo):
+    verl = ["data.train_batch_size=45", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=0.7",
+            "data.max_response_length=16", "actor_rollout_ref.actor.ppo_mini_batch_size=15",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.ppo_epochs=2",
+            "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+            "algorithm.adv_estimator=gae", "algorithm.gamma=0.99", "algorithm.lam=0.95",
+            "actor_rollout_ref.actor.optim.lr=2e-6", "trainer.total_training_steps=7", "trainer.save_freq=-1",
+            "trainer.test_freq=5"]
+    ours = ["data.batch_size=45", "rollout.n=8", "rollout.temperature=0.7", "rollout.max_new_tokens=16",
+            "actor.mini_batch_size=15", "actor.micro_batch_size=8", "actor.ppo_epochs=2", "actor.clip_ratio_low=0.2",
+            "actor.clip_ratio_high=0.28", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
+            "algorithm.estimator=gae", "algorithm.gamma=0.99", "algorithm.lam=0.95", "actor.lr=2e-6",
+            "trainer.steps=7", "trainer.save_every=0", "trainer.val_every=5"]
+    via_verl, notices = _compile(ppo, verl)
+    direct, none = _compile(ppo, ours)
+    assert via_verl.model_dump_json() == direct.model_dump_json() and none == []
+    # one notice per renamed key, naming the rlgraph key (gamma and lam are spelled the same: no notice)
+    assert len(notices) == len(verl) - 2
+    assert "data.train_batch_size is verl's name for data.batch_size; using data.batch_size=45" in notices
+    assert "trainer.save_freq is verl's name for trainer.save_every; using trainer.save_every=0" in notices
+
+
+def test_a_verl_key_without_an_equivalent_is_an_error_never_ignored(ppo):
+    with pytest.raises(PipelineError) as info:
+        rlgraph.compile(ppo, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.hybrid_engine=true",
+                                       "trainer.logger=['console']"])
+    text = str(info.value)
+    assert "'actor_rollout_ref.rollout.name' is a verl config key with no rlgraph equivalent" in text
+    assert "set rollout.backend (hf or vllm)" in text
+    assert "'actor_rollout_ref.hybrid_engine' is a verl config key" in text  # any key under verl's own sections
+    assert "'trainer.logger' is a verl config key" in text
+
+
+def test_a_key_set_under_both_names_is_refused(ppo):
+    with pytest.raises(PipelineError, match="both 'actor_rollout_ref.rollout.n' \\(verl's name\\) and 'rollout.n'"):
+        rlgraph.compile(ppo, ["actor_rollout_ref.rollout.n=4", "rollout.n=8"])
+
+
+def test_every_alias_points_at_a_key_of_the_bundled_pipelines(ppo):
+    from rlgraph.graph.build import config_schema
+
+    schema, _ = config_schema(ppo)
+    known = set(schema) | {"cluster.num_nodes", "cluster.gpus_per_node"}
+    assert {ours for ours in VERL_ALIASES.values()} - known == set()
+    assert aliases_of("rollout.max_new_tokens") == ["data.max_response_length", "actor_rollout_ref.rollout.response_length"]
