@@ -1,7 +1,8 @@
 """Soak (issue 14, item 5): 200 steps of the GRPO example with a process killed from outside about
 every 20 steps, rotating over a worker, a TransferQueue storage unit, the TransferQueue
-controller, the data source and the driver (then ``--resume``). The run must end with the
-uninterrupted run's results and hold the sample accounting at every step.
+controller, the data source, the reward pool's scoring processes (the rule reward runs on a
+process pool here, ``reward.executor=process``) and the driver (then ``--resume``). The run must
+end with the uninterrupted run's results and hold the sample accounting at every step.
 
 Not in the default run (about 8 minutes on 2 cores):
 
@@ -26,7 +27,9 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 STEPS, EVERY, SAVE_EVERY = 200, 20, 10
-KINDS = ["ray::GroupWorker", "ray::SimpleStorageUnit", "ray::TransferQueueController", "ray::SourceWorker", "driver"]
+KINDS = ["ray::GroupWorker", "ray::SimpleStorageUnit", "ray::TransferQueueController", "ray::SourceWorker",
+         "forkserver", "driver"]
+SCORING = "multiprocessing.forkserver"  # the reward pool's fork server and the processes it forked
 COMPARED = ("score/mean", "update_actor/actor_metrics/pg_loss", "samples/trained", "samples/padding")
 pytestmark = [pytest.mark.soak, pytest.mark.ray, pytest.mark.slow]
 
@@ -40,7 +43,7 @@ def _start(out: Path, *extra: str) -> subprocess.Popen:
     """`rlgraph run` the GRPO example into `out`; its output is appended to out.log."""
     cmd = [sys.executable, "-m", "rlgraph.cli", "run", str(ROOT / "examples" / "grpo.py"), "-o", str(out),
            "--steps", str(STEPS), "--timeout", "180", f"trainer.save_every={SAVE_EVERY}", "trainer.max_retries=3",
-           *extra]
+           "reward.executor=process", "reward.concurrency=2", *extra]
     with open(f"{out}.log", "a") as log:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -58,11 +61,17 @@ def _kill(proc: subprocess.Popen, kind: str, rng: random.Random) -> str:
     found = []
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if p.cmdline()[:1] and p.cmdline()[0].startswith(kind):
+            if kind == "forkserver" and SCORING in " ".join(p.cmdline()):
+                found.append(p)
+            elif p.cmdline()[:1] and p.cmdline()[0].startswith(kind):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     assert found, f"no {kind} under the run"
+    if kind == "forkserver":  # all of them: the pool is replaced (a pebble pool breaks when one dies idle)
+        for p in found:
+            os.kill(p.pid, signal.SIGKILL)
+        return f"{kind} and {len(found) - 1} scoring process(es)"
     victim = rng.choice(sorted(found, key=lambda p: p.pid))
     os.kill(victim.pid, signal.SIGKILL)
     return f"{kind} {victim.pid}"

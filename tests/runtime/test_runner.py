@@ -52,7 +52,10 @@ def test_both_data_planes_give_identical_results(tq_plane, ray_plane, tmp_path):
     plan = _plan(*PADDED)
     a = _run(plan, tmp_path / "tq", tq_plane, steps=2)
     b = _run(plan, tmp_path / "ray", ray_plane, steps=2)
-    assert _stable(a) == _stable(b)
+    # the locality metrics are TransferQueue's alone (it knows each row's storage unit and node)
+    assert all(r["dataplane/local_bytes"] > 0 for r in a) and not any("dataplane/local_bytes" in r for r in b)
+    here = lambda rs: [{k: v for k, v in r.items() if not k.startswith("dataplane/")} for r in _stable(rs)]  # noqa: E731
+    assert here(a) == here(b)
 
 
 def test_padding_rows_never_reach_accuracy_metrics(tq_plane, tmp_path):
