@@ -123,9 +123,7 @@ class BuiltGraph:
         """The slots packed onto the declared cluster's nodes, after the data plane's reservation."""
         n = int(self.config["cluster.num_nodes"])
         nodes = [(float(self.config["cluster.cpus_per_node"]), float(self.config["cluster.gpus_per_node"]))] * n
-        actors = dataplane_actors(self.config["dataplane.backend"], int(self.config["dataplane.storage_units"]),
-                                  float(self.config["dataplane.cpus_per_unit"]))
-        return pack(nodes, self.slots, actors)
+        return pack(nodes, self.slots, dataplane_actors(self.config))
 
 
 def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:

@@ -60,47 +60,37 @@ def pool_placement(placements: Any) -> str:
     return max(placements, key=_ORDER.index, default="pack")
 
 
-def dataplane_cpus(config: Mapping[str, Any]) -> float:
-    """CPUs the data plane reserves: TransferQueue's controller plus each storage unit (flat config)."""
+def dataplane_actors(config: Mapping[str, Any]) -> list[float]:
+    """The CPUs of each data-plane actor (flat config): TransferQueue's controller, then each
+    storage unit; none for the Ray store."""
     if config["dataplane.backend"] != "transferqueue":
-        return 0.0
-    return float(config["dataplane.cpus_per_unit"]) * (1 + int(config["dataplane.storage_units"]))
-
-
-def dataplane_actors(backend: str, storage_units: int, cpus_per_unit: float) -> list[float]:
-    """The CPUs of each data-plane actor: TransferQueue's controller, then each storage unit."""
-    if backend != "transferqueue":
         return []
-    return [float(cpus_per_unit)] * (1 + int(storage_units))
+    return [float(config["dataplane.cpus_per_unit"])] * (1 + int(config["dataplane.storage_units"]))
 
 
-def pack(nodes: Sequence[tuple[float, float]], slots: Sequence[Slot],
-         reserve_cpus: float | Sequence[float] = 0.0) -> Packing:
-    """Place `slots` on `nodes` (each node's (CPUs, GPUs)) after reserving the data plane's CPUs:
-    a lump (taken node 0 first), or per actor (`dataplane_actors`: the controller on node 0, storage
-    unit i on node i mod n, as TransferQueue places them one per node; each spills over to the
-    next node with room)."""
+def dataplane_cpus(config: Mapping[str, Any]) -> float:
+    """CPUs the data plane reserves in all (flat config)."""
+    return float(sum(dataplane_actors(config)))
+
+
+def pack(nodes: Sequence[tuple[float, float]], slots: Sequence[Slot], reserve: Sequence[float] = ()) -> Packing:
+    """Place `slots` on `nodes` (each node's (CPUs, GPUs)) after reserving the data plane's actors'
+    CPUs (`dataplane_actors`): the controller on node 0 and storage unit i on node i mod n, as
+    TransferQueue places them; each spills over to the next node with room."""
     cpus = [float(c) for c, _ in nodes]
     gpus = [float(g) for _, g in nodes]
     n = len(nodes)
-    if isinstance(reserve_cpus, (int, float)):
-        reserve = float(reserve_cpus)
-        for i in range(n):  # the data plane's actors go where there is room, node 0 first
-            take = min(reserve, cpus[i])
-            cpus[i] -= take
-            reserve -= take
-    else:
-        for k, need in enumerate(reserve_cpus):
-            first = (k - 1) % n if (k and n) else 0  # k = 0: the controller; k >= 1: unit k - 1
-            for i in [*range(first, n), *range(first)]:
-                if cpus[i] + _EPS >= need:
-                    cpus[i] -= need
-                    break
-            else:  # no node has room for it whole: take it where there is some (the totals check reports it)
-                for i in range(n):
-                    take = min(need, cpus[i])
-                    cpus[i] -= take
-                    need -= take
+    for k, need in enumerate(reserve):
+        first = (k - 1) % n if (k and n) else 0  # k = 0: the controller; k >= 1: unit k - 1
+        for i in [*range(first, n), *range(first)]:
+            if cpus[i] + _EPS >= need:
+                cpus[i] -= need
+                break
+        else:  # no node has room for it whole: take it where there is some (the totals check reports it)
+            for i in range(n):
+                take = min(need, cpus[i])
+                cpus[i] -= take
+                need -= take
     node_of: dict[tuple[str, int], int] = {}
     unplaced: list[Slot] = []
     taken: dict[str, set[int]] = {}  # pool -> nodes its slots are on (strict_spread takes each once)

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlgraph.errors import RLGraphError
+from rlgraph.graph.config import flatten
 from rlgraph.graph.packing import Slot, dataplane_actors, pack
 from rlgraph.graph.plan import Plan
 
-__all__ = ["ClusterError", "NodeLost", "RayHandle", "alive_nodes", "check_cluster", "check_lost_nodes", "dead_actors", "force_loopback", "missing_resources",
-           "prune_sessions", "start_ray"]
+__all__ = ["ClusterError", "NodeLost", "RayHandle", "alive_nodes", "check_cluster", "check_lost_nodes", "dead_actors",
+           "force_loopback", "missing_resources", "prune_sessions", "start_ray"]
 
 log = logging.getLogger(__name__)
-_EPS = 1e-9
 LOOPBACK = "127.0.0.1"
 MARKER = "rlgraph_started"  # written into the session directory of every Ray an rlgraph run starts
 SESSIONS_KEPT = 5  # finished rlgraph sessions kept in Ray's temp folder (RLGRAPH_RAY_SESSIONS_KEPT)
@@ -188,11 +188,8 @@ def missing_resources(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
         return out
     slots = [Slot(p.name, b.index, b.num_cpus, b.num_gpus, p.placement) for p in plan.pools
              for b in p.bundles]
-    dp = plan.config.get("dataplane", {})
-    actors = dataplane_actors(dp.get("backend", "transferqueue"), int(dp.get("storage_units", 1)),
-                              float(dp.get("cpus_per_unit", 1.0)))
-    reserve = actors if abs(sum(actors) - plan.cluster.dataplane_cpus) < _EPS else plan.cluster.dataplane_cpus
-    packing = pack([(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in nodes], slots, reserve)
+    packing = pack([(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in nodes], slots,
+                   dataplane_actors(flatten(plan.config)))
     if not packing.unplaced:
         return []
     free = ", ".join(f"node {i} {c:g} CPU / {g:g} GPU" for i, (c, g) in
@@ -228,10 +225,11 @@ def check_lost_nodes(plan: Plan, started_on: dict[str, dict[str, float]]) -> lis
     return lost
 
 
-def check_cluster(plan: Plan) -> None:
-    """Raise `ClusterError` listing every resource the running Ray cluster lacks for `plan`."""
-    nodes = list(alive_nodes().values())
-    missing = missing_resources(plan, nodes)
+def check_cluster(plan: Plan) -> dict[str, dict[str, float]]:
+    """Raise `ClusterError` listing every resource the running Ray cluster lacks for `plan`;
+    returns the live nodes it checked (`alive_nodes`)."""
+    nodes = alive_nodes()
+    missing = missing_resources(plan, list(nodes.values()))
     if missing:
         raise ClusterError(
             "the Ray cluster lacks resources this plan needs (nothing was started):\n  - "
@@ -239,6 +237,7 @@ def check_cluster(plan: Plan) -> None:
             + "\nfix: recompile for this cluster (cluster.cpus_per_node=..., groups.<name>.dp=..., "
             "groups.<name>.num_cpus=...), or add nodes"
         )
+    return nodes
 
 
 def dead_actors(actors: dict[str, object]) -> list[str]:

@@ -87,8 +87,9 @@ class Fleet:
         self.ray = start_ray(self.plan, self._address, self._verbose)
         if self._on_ray_started:
             self._on_ray_started()
-        check_cluster(self.plan)  # before any actor: fail with a list, never hang
-        self.nodes = alive_nodes()  # the cluster as the run found it (a restart checks for lost nodes)
+        # before any actor: fail with a list, never hang; the nodes as the run found them (a restart
+        # checks for lost ones)
+        self.nodes = check_cluster(self.plan)
         cpus = sum(n.get("CPU", 0.0) for n in self.nodes.values())
         how = ("joined " + self._address if self._address else "started on 127.0.0.1") if self.ray.started_here \
             else "already running"
@@ -115,7 +116,7 @@ class Fleet:
             self._create_group(g.name)
         self._create_source()
         names = list(self.workers)
-        meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+        meet = self._rendezvous(names)
         actors = sum(len(ws) for ws in self.workers.values())
         self._on_phase(f"workers: {actors} actor(s) in {len(names)} group(s) and the data source on "
                        f"{len(self._pgs)} pool(s) ({time.time() - t0:.1f}s)")
@@ -165,10 +166,13 @@ class Fleet:
 
         self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, self.plane.handle())
 
+    def _rendezvous(self, names: list[str]) -> list[Any]:
+        """Rank 0's address of each group in `names` (once its actors have started): every rank of
+        a group meets there (torch.distributed for DDP/DeepSpeed)."""
+        return self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+
     def _setup_groups(self, names: list[str], meet: list[Any] | None = None) -> None:
-        # every rank of a group meets at rank 0's address (torch.distributed for DDP/DeepSpeed)
-        if meet is None:
-            meet = self.get([self.workers[g][0].rendezvous.remote() for g in names], "worker actors to start")
+        meet = self._rendezvous(names) if meet is None else meet
         ranks = [(g, r) for g in names for r in range(len(self.workers[g]))]
         setups = [self.workers[g][r].setup.remote(*meet[names.index(g)]) for g, r in ranks]
         nodes = self.get(setups, "worker start-up (op imports, worker classes' setup: model loading)")
@@ -177,18 +181,14 @@ class Fleet:
     def placement(self) -> dict[str, Any]:
         """Where the workers run: the cluster's nodes (Ray node ids, head first, then in Ray's order)
         and each group's ranks as indexes into them. Written to the run directory as placement.json."""
-        import ray
-
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        alive.sort(key=lambda n: not n.get("Resources", {}).get("node:__internal_head__"))
-        ids = [n["NodeID"] for n in alive]
-        index = {node: i for i, node in enumerate(ids)}
+        head = "node:__internal_head__"  # a resource only Ray's head node has
+        alive = sorted(alive_nodes().items(), key=lambda item: not item[1].get(head))
+        index = {node: i for i, (node, _) in enumerate(alive)}
         groups: dict[str, list[int | None]] = {}
         for (g, r), node in sorted(self.node_of.items()):
             groups.setdefault(g, []).append(index.get(node))
-        return {"nodes": [{"id": n["NodeID"], "head": bool(n.get("Resources", {}).get("node:__internal_head__")),
-                           "cpus": n.get("Resources", {}).get("CPU", 0.0), "gpus": n.get("Resources", {}).get("GPU", 0.0)}
-                          for n in alive],
+        return {"nodes": [{"id": node, "head": bool(res.get(head)), "cpus": res.get("CPU", 0.0),
+                           "gpus": res.get("GPU", 0.0)} for node, res in alive],
                 "groups": groups,
                 "pools": {p.name: p.placement for p in self.plan.pools}}
 

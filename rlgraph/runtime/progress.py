@@ -55,8 +55,7 @@ class LogReporter(Reporter):
     def fault(self, message: str) -> None:
         print(f"rlgraph: {message}", file=self.stream, flush=True)
 
-    def phase(self, message: str) -> None:
-        print(f"rlgraph: {message}", file=self.stream, flush=True)
+    phase = fault  # a start-up phase is one line too
 
 
 class RichReporter(Reporter):
@@ -92,8 +91,7 @@ class RichReporter(Reporter):
     def fault(self, message: str) -> None:
         self.progress.console.print(f"rlgraph: {message}")
 
-    def phase(self, message: str) -> None:
-        self.progress.console.print(f"rlgraph: {message}")
+    phase = fault  # a start-up phase is one line too
 
     def close(self) -> None:
         self.progress.stop()

@@ -340,8 +340,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                 pass
         self._watch = lambda: dead_actors(self._actors)
         units = [self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
-        self.unit_nodes = _actor_nodes(units) if all(units) else ()
-        self._unit_nodes = self.unit_nodes
+        self._unit_nodes = _actor_nodes(units) if all(units) else ()
         self._owner_pid = os.getpid()
         self._closed = False
 
@@ -387,7 +386,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:
-        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self.unit_nodes)
+        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes)
 
     def actors(self) -> dict[str, Any]:
         return dict(self._actors)
