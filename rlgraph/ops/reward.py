@@ -122,7 +122,6 @@ def overlong_penalty(response_mask: torch.Tensor, *, score_column: str, buffer_l
     lengths = mask.sum(dim=1)
     penalty = overlong_penalties(lengths, max_len, int(buffer_len), float(penalty_factor))
     real = torch.tensor([not p for p in ctx.is_padding], dtype=torch.bool) & (lengths > 0)
-    penalty = torch.where(real, penalty, torch.zeros_like(penalty))
     out = scores.clone()
     last = (lengths.long() - 1).clamp(min=0)
     rows = torch.arange(len(out))[real]

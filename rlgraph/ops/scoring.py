@@ -234,9 +234,7 @@ class RewardScorer:
                     out[i] = ("error", f"ProcessExpired: the scoring process died under this sample {deaths[i]} "
                               f"times (last: {f'exit code {code}' if code is not None else _describe(died)}): "
                               f"the function crashes its process or runs out of memory", time.monotonic() - t0)
-            if again and not pool.active:
-                self._discard_pool()
-            pending = again
+            pending = again  # a pool broken meanwhile is replaced at the top of the loop
         return out  # type: ignore[return-value]
 
     def _discard_pool(self) -> None:
