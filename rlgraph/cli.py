@@ -6,6 +6,7 @@
     rlgraph describe examples/ppo.py rollout.n=8      # or a compiled build/ppo/plan.json
     rlgraph describe examples/ppo.py --config         # every config key: type, default, doc
     rlgraph run examples/ppo.py -o runs/ppo --steps 3 # on Ray, local on 127.0.0.1 by default
+    rlgraph export runs/ppo -o ppo-policy             # the trained policy as a Hugging Face directory
 
 PIPELINE is a Python file or ``module:attr``; trailing ``key=value`` arguments override its
 config. Exit status: 0 success; 1 a problem with the pipeline, its config or a plan file
@@ -325,6 +326,30 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         sys.exit(130)
     click.echo(f"ran {runner.written} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
                f"{out / 'reward_curve.svg'}, {out / 'trace.json'}, {out / 'timeline.svg'}")
+
+
+@cli.command("export")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("-o", "--output", "out_dir", required=True, metavar="HF_DIR",
+              type=click.Path(file_okay=False, path_type=Path), help="Directory to write the model to.")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="Checkpoint step to export [default: the latest checkpoint].")
+@click.option("--what", type=click.Choice(["actor", "critic"]), default="actor", show_default=True,
+              help="The policy (a causal LM) or the critic (a token-classification model, one label).")
+@click.option("--base", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The model directory the run started from, if it moved [default: the run's actor.model_path, "
+                   "or critic.model_path].")
+@click.option("--overwrite", is_flag=True, help="Replace HF_DIR if it is not empty.")
+def export_command(run_dir: Path, out_dir: Path, step: int | None, what: str, base: Path | None,
+                   overwrite: bool) -> None:
+    """Write the trained model of RUN_DIR (an `rlgraph run -o` directory with checkpoints) to HF_DIR
+    as a Hugging Face save_pretrained directory: config, safetensors weights, tokenizer, generation
+    config. transformers' from_pretrained and vLLM load it."""
+    from rlgraph.runtime.export import export_model
+
+    done = export_model(run_dir, out_dir, step=step, what=what, base=base, overwrite=overwrite)  # type: ignore[arg-type]
+    click.echo(f"exported the {done.what} of step {done.step} ({done.state}, {done.parameters:,} parameters, "
+               f"architecture and tokenizer of {done.base}) to {done.out_dir}")
 
 
 def main() -> None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rlgraph.errors import RLGraphError
@@ -33,7 +34,7 @@ from rlgraph.graph.plan import Plan
 
 __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
            "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
-           "RESUMABLE_KEYS"]
+           "RESUMABLE_KEYS", "state_skeleton", "load_part"]
 
 CHECKPOINT_FORMAT = "rlgraph.checkpoint.v1"
 _TENSOR = "__tensor__"
@@ -134,6 +135,50 @@ def load_state(directory: Path, name: str) -> Any:
                               f"{st.name} does not hold (the two files do not belong together); {fix}") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"checkpoint state {str(js)!r} is malformed ({type(e).__name__}: {e}); {fix}") from None
+
+
+def _tensor_keys(obj: Any) -> Iterable[str]:
+    if isinstance(obj, dict):
+        if _TENSOR in obj:
+            yield obj[_TENSOR]
+        else:
+            for v in obj.values():
+                yield from _tensor_keys(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _tensor_keys(v)
+
+
+def state_skeleton(directory: Path, name: str) -> Any:
+    """The JSON skeleton of state `name`: its structure, with ``{"__tensor__": key}`` for each tensor."""
+    js = Path(directory) / f"{name}.json"
+    if not js.is_file():
+        raise CheckpointError(f"checkpoint {str(directory)!r} has no state {name!r} ({js.name} is missing)")
+    return _read_json(js, "it is damaged or not an rlgraph checkpoint")
+
+
+def load_part(directory: Path, name: str, path: Sequence[str]) -> Any:
+    """The part of state `name` found under the dict keys `path`, reading only that part's tensors
+    from the safetensors file (a model's weights without its optimizer state, say)."""
+    directory = Path(directory)
+    node = state_skeleton(directory, name)
+    for key in path:
+        inner = node.get("__dict__") if isinstance(node, dict) else None
+        if not isinstance(inner, dict) or key not in inner:
+            raise CheckpointError(f"checkpoint state {str(directory / name)!r} has nothing at "
+                                  f"{'.'.join(path)!r} (no key {key!r})")
+        node = inner[key]
+    keys = sorted(set(_tensor_keys(node)))
+    tensors: dict[str, torch.Tensor] = {}
+    if keys:
+        st = directory / f"{name}.safetensors"
+        try:
+            with safe_open(str(st), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in keys}
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on bad files
+            raise CheckpointError(f"cannot read tensors {keys[:3]}... of {str(st)!r} "
+                                  f"({type(e).__name__}: {e})") from None
+    return _join(node, tensors)
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
