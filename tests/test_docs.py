@@ -369,7 +369,8 @@ def test_operators_doc_lists_every_builtin_config_key():
     text = (DOCS / "operators.md").read_text()
     specs = [stages.generate(), stages.reward(), stages.old_logprob(), stages.ref(), stages.values(),
              stages.advantage("gae"), stages.update_critic(), stages.update_actor(), stages.reward_model(),
-             stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5}), stages.overlong_penalty()]
+             stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5}), stages.overlong_penalty(),
+             stages.filter_groups()]
     keys = [f"data.{k}" for k in stages.prompt_source().params]
     keys += [f"{s.namespace}.{k}" for s in specs for k in s.params]
     missing = [k for k in keys if f"`{k}`" not in text]

@@ -132,6 +132,26 @@ def overlong_penalty(response_mask: torch.Tensor, *, score_column: str, buffer_l
     return {ctx.outputs[0]: out, ctx.outputs[1]: metrics}
 
 
+def filter_groups(uid: torch.Tensor, *, score_column: str, metric_column: str, min_std: float, ctx: Any,
+                  **inputs: Any) -> dict[str, Any]:
+    """Body of `stages.filter_groups`: drop each group whose metric (per-sample sum of
+    ``metric_column``) has a population std of at most `min_std`, as verl's filter keeps a prompt
+    when ``np.std(metric_vals) > 0`` or it has a single sample."""
+    metric = inputs[metric_column].float().sum(dim=1)  # [b]
+    real = [i for i, pad in enumerate(ctx.is_padding) if not pad]
+    members: dict[int, list[int]] = {}
+    for i in real:
+        members.setdefault(int(uid[i]), []).append(i)
+    dropped = 0
+    for rows in members.values():
+        if len(rows) > 1 and float(metric[rows].std(unbiased=False)) <= min_std:
+            ctx.drop(rows[0], "zero_variance", group=True)
+            dropped += 1
+    metrics = {"groups_count": len(members), "kept_groups_count": len(members) - dropped,
+               "dropped_groups_count": dropped}
+    return {ctx.outputs[0]: inputs[score_column].clone(), ctx.outputs[1]: metrics}
+
+
 def combine_rewards(response_mask: torch.Tensor, *, ctx: Any, **inputs: Any) -> dict[str, Any]:
     """Body of `stages.combine_rewards`: ``sum_k w_k * scores_k`` over the score columns, token by token
     (each source carries its score on the last response token). Params are ``w_<column>``."""

@@ -26,6 +26,7 @@ __all__ = [
     "prompt_source",
     "generate",
     "reward",
+    "filter_groups",
     "reward_model",
     "combine_rewards",
     "overlong_penalty",
@@ -308,15 +309,18 @@ def combine_rewards(weights: Mapping[str, float], group: str = "reward", name: s
 
 
 def overlong_penalty(score_column: str = "rule_scores", group: str = "reward", name: str = "overlong",
-                     **changes: Any) -> OpSpec:
+                     output_column: str = "token_level_scores", **changes: Any) -> OpSpec:
     """DAPO's soft overlong punishment: a response longer than ``max_response_length -
     buffer_len`` tokens loses ``penalty_factor`` times the fraction of the buffer it ran into,
-    added to ``score_column`` on its last token; the result is ``token_level_scores``. Give the
-    reward op ``score_column=score_column`` so that this op sits between it and the advantage."""
+    added to ``score_column`` on its last token; the result is ``output_column``
+    (``token_level_scores``, what the advantage reads; another name to feed `filter_groups`). Give
+    the reward op ``score_column=score_column`` so that this op sits between it and the advantage."""
+    out = (COLUMNS["token_level_scores"] if output_column == "token_level_scores"
+           else T.float32(R, doc=f"the score after the {name} op's overlong penalty"))
     return OpSpec(
         name=name,
         inputs={score_column: T.float32(R), **_cols("response_mask")},
-        outputs={**_cols("token_level_scores"), f"{name}_metrics": T.json().metric()},
+        outputs={output_column: out, f"{name}_metrics": T.json().metric()},
         granularity="sample",
         group=group,
         params={
@@ -332,6 +336,44 @@ def overlong_penalty(score_column: str = "rule_scores", group: str = "reward", n
         impl="rlgraph.ops.reward:overlong_penalty",
         cost=0.05,
         doc="Soft overlong punishment (DAPO): a linear penalty in the last buffer_len tokens.",
+    ).with_(**changes)
+
+
+def filter_groups(score_column: str = "raw_scores", metric_column: str | None = None, group: str = "reward",
+                  name: str = "filter_groups", **changes: Any) -> OpSpec:
+    """DAPO's dynamic-sampling filter (verl's ``algorithm.filter_groups``): drops from training every
+    group whose metric has zero variance (all its samples scored alike, so a group-relative
+    advantage is zero for all of them), and passes ``score_column`` on as ``token_level_scores``.
+
+    The metric is a token-level column summed per sample: ``score_column`` by default, or
+    `metric_column` (say the rule score before overlong shaping). Give the op that writes the
+    score ``score_column=score_column`` so that this op sits between it and the advantage. A
+    group of one sample is kept (its variance says nothing), as verl keeps it. Dropped groups are
+    counted under ``samples/dropped/zero_variance``; downstream ops treat them as padding."""
+    metric = metric_column or score_column
+    inputs: dict[str, ColumnType] = {score_column: T.float32(R), "uid": SYSTEM_COLUMNS["uid"]}
+    if metric != score_column:
+        inputs[metric] = T.float32(R)
+    return OpSpec(
+        name=name,
+        inputs=inputs,
+        outputs={**_cols("token_level_scores"), f"{name}_metrics": T.json().metric()},
+        granularity="group",
+        group=group,
+        params={
+            "score_column": Param(str, score_column, "the score column passed on as token_level_scores (set by the "
+                                  "declaration)", choices=(score_column,)),
+            "metric_column": Param(str, metric, "the column whose per-sample sum must vary within a group (set by "
+                                   "the declaration: filter_groups(metric_column=...))", choices=(metric,)),
+            "min_std": Param(float, 0.0, "a group whose metric has a standard deviation at most this is dropped "
+                             "(0: only groups whose samples all scored the same)", minimum=0.0),
+            "micro_batch_size": Param(int, 16, "groups per call", minimum=1),
+        },
+        impl="rlgraph.ops.reward:filter_groups",
+        batching=Batching(micro_batch="micro_batch_size"),
+        drops=True,
+        cost=0.05,
+        doc="Dynamic sampling's filter (DAPO): drops the groups whose metric has zero variance.",
     ).with_(**changes)
 
 

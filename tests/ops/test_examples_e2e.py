@@ -122,3 +122,35 @@ def test_overlong_penalty_between_the_reward_and_the_advantage(model_dir, tq_pla
     assert rec["overlong/overlong_metrics/penalty_mean"] < 0  # some responses ran into the buffer
     assert 0 < rec["overlong/overlong_metrics/penalised_frac"] <= 1
     assert math.isfinite(rec["update_actor/actor_metrics/loss"])
+
+
+def test_filter_groups_drops_zero_variance_groups_from_training(model_dir, tq_plane, tmp_path):
+    """Dynamic sampling's filter in the GRPO example: the rule reward writes raw_scores, the filter
+    drops the groups whose samples all scored alike and passes the score on. The dropped groups
+    are counted by reason, are padding for the advantage and the update, and leave the score
+    summary (which covers the trained samples only)."""
+    import dataclasses
+
+    from rlgraph.ops import stages
+
+    pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
+    ops = []
+    for op in pipeline.ops:
+        ops += ([stages.reward(group="reward", score_column="raw_scores"), stages.filter_groups("raw_scores")]
+                if op.name == "reward" else [op])
+    plan = rlgraph.compile(dataclasses.replace(pipeline, ops=ops),
+                           [f"actor.model_path={model_dir}", "data.batch_size=8", "rollout.n=4",
+                            "actor.mini_batch_size=2", "data.num_rows=64"], pipeline_ref=ref)
+    records = run_plan(plan, RunOptions(out_dir=tmp_path, steps=2, timeout_s=300), plane=tq_plane)
+    dropped_any = False
+    for rec in records:
+        groups = rec["filter_groups/filter_groups_metrics/groups_count"]
+        dropped = rec["filter_groups/filter_groups_metrics/dropped_groups_count"]
+        assert groups == 8 and rec["filter_groups/filter_groups_metrics/kept_groups_count"] == groups - dropped
+        assert rec.get("samples/dropped/zero_variance", 0) == 4 * dropped == rec["samples/dropped"]
+        assert rec["samples/trained"] == 32 - 4 * dropped and rec["samples/real"] == 32
+        if dropped < groups:
+            assert 0 < rec["score/mean"] < 1  # only groups with both right and wrong answers are left
+            assert math.isfinite(rec["update_actor/actor_metrics/loss"])
+        dropped_any |= dropped > 0
+    assert dropped_any  # the warm-started model answers some prompts always (or never) right

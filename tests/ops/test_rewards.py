@@ -166,3 +166,35 @@ def test_overlong_penalty_by_hand():
     assert out["overlong_metrics"] == pytest.approx({"penalised_frac": 2 / 3, "penalty_mean": -0.5})
     with pytest.raises(ValueError, match="buffer_len=9 must be between 1 and the maximum response length 8"):
         overlong_penalties(torch.tensor([3]), 8, 9, 1.0)
+
+
+def test_filter_groups_by_hand():
+    """Dynamic sampling's filter: groups 0 and 2 score alike within themselves (std 0: dropped),
+    group 1 varies (kept), group 3 has one sample (kept, as verl keeps it); padding is ignored.
+    With metric_column the variance is read from another column than the score passed on."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlgraph.ops.reward import filter_groups
+
+    uid = torch.tensor([0, 0, 1, 1, 2, 2, 3, 9])
+    scores = torch.zeros(8, 3)
+    scores[:, -1] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    drops: list[tuple[int, str, bool]] = []
+    ctx = SimpleNamespace(is_padding=[False] * 7 + [True], outputs=["token_level_scores", "filter_groups_metrics"],
+                          drop=lambda i, reason, group=False: drops.append((i, reason, group)))
+    out = filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.0, ctx=ctx, raw=scores)
+    assert drops == [(0, "zero_variance", True), (4, "zero_variance", True)]
+    torch.testing.assert_close(out["token_level_scores"], scores)
+    assert out["filter_groups_metrics"] == {"groups_count": 4, "kept_groups_count": 2, "dropped_groups_count": 2}
+    # std of group 1 is 0.5: min_std=0.5 drops it too
+    drops.clear()
+    filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.5, ctx=ctx, raw=scores)
+    assert [d[0] for d in drops] == [0, 2, 4]
+    # the variance of another column: group 0 differs there, group 1 does not
+    other = torch.zeros(8, 3)
+    other[:, 0] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    drops.clear()
+    filter_groups(uid, score_column="raw", metric_column="acc", min_std=0.0, ctx=ctx, raw=scores, acc=other)
+    assert [d[0] for d in drops] == [2, 4]
