@@ -123,7 +123,7 @@ def run(quick: bool = False, doc: Path = common.DOC, steps: int | None = None, t
         print(f"  {cfg.label}: stream {r['stream']:.2f}s sync {r['sync']:.2f}s bound {r['bound']:.2f}s", flush=True)
     t.print()
     if svg is not None:
-        from benchmarks.svg import bar_chart
+        from benchmarks.charts import bar_chart
 
         bar_chart(svg, "Simulated cluster: step time per configuration", [c.label for c, _ in results],
                   {"lower bound": [r["bound"] for _, r in results], "stream": [r["stream"] for _, r in results],

@@ -313,7 +313,7 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("rlgraph").setLevel(logging.INFO)
     options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
-                         timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out),
+                         timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out, plan),
                          on_ray_started=_interrupt_on_signals, verbose=verbose, trace_steps=trace_steps,
                          keep_records=False)  # metrics.jsonl has every record; the driver keeps none
     _interrupt_on_signals()

@@ -77,6 +77,19 @@ def test_padding_and_scale_quick(tmp_path):
     assert "Reproduce: `.venv/bin/python -m benchmarks.run padding --quick`" in text
 
 
+def test_bar_chart_writes_svg_and_png_with_a_bar_per_value(tmp_path):
+    from benchmarks.charts import bar_chart, bar_chart_figure
+
+    args = ("step time", ["base", "B=32"], {"bound": [1.0, 2.0], "stream": [1.5, float("nan")], "sync": [2.0, 3.0]})
+    (ax,) = bar_chart_figure(*args).axes
+    assert [round(b.get_height(), 2) for b in ax.patches] == [1.0, 2.0, 1.5, 2.0, 3.0]  # the NaN one left out
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["base", "B=32"]
+    svg, png = bar_chart(tmp_path / "chart.svg", *args, note="2 steps")
+    assert (svg, png) == (tmp_path / "chart.svg", tmp_path / "chart.png")
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert all(s in svg.read_text() for s in ("step time", "2 steps", "B=32", "stream"))
+
+
 @pytest.fixture
 def planes(tq_plane, ray_plane):
     common.set_planes(transferqueue=tq_plane, ray=ray_plane)
@@ -109,7 +122,7 @@ def test_overlap_and_traffic_quick(tmp_path, planes):
         row = dict(zip(head, r))
         assert num(row["bound s"]) <= num(row["stream s"])  # the bound is a bound
         assert num(row["stream / bound"]) >= 1 and num(row["sync / stream"]) > 0
-    assert (tmp_path / "overlap.svg").read_text().startswith("<svg")
+    assert "<svg" in (tmp_path / "overlap.svg").read_text() and (tmp_path / "overlap.png").stat().st_size > 0
     head, *body = [r for i, r in enumerate(table_rows(text, "traffic")) if i != 1]
     ours, classic = (dict(zip(head, r)) for r in body)
     assert num(ours["driver payload bytes / step"]) == 0

@@ -47,6 +47,7 @@ import networkx as nx
 
 from rlgraph.errors import PipelineError, Problem
 from rlgraph.graph.build import BuiltGraph
+from rlgraph.graph.dsl import LOGGERS, parse_loggers
 
 __all__ = ["check", "find_problems"]
 
@@ -257,6 +258,14 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         for prob in o.validate(params, connected):
             add(prob if prob.op else Problem(prob.code, f"op {o.name!r}: {prob.message}", prob.fix, op=o.name,
                                              column=prob.column))
+
+    loggers = g.config.get("trainer.logger")
+    if isinstance(loggers, str):
+        try:
+            parse_loggers(loggers)
+        except ValueError as e:
+            add(Problem("config-type", f"trainer.logger={loggers}: {e}",
+                        f"write trainer.logger=[{','.join(LOGGERS)}] or some of them, e.g. [console,wandb]"))
 
     # Resources -------------------------------------------------------------------------------
     if not any(x.code == "config-type" for x in problems):

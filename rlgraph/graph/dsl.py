@@ -13,6 +13,7 @@ config parameters (typed by their annotations, with their defaults), and a param
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import sys
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,8 @@ __all__ = [
     "DataSource",
     "Pipeline",
     "TRAINER_PARAMS",
+    "LOGGERS",
+    "parse_loggers",
     "DATAPLANE_PARAMS",
     "SYSTEM_COLUMNS",
 ]
@@ -68,8 +71,37 @@ TRAINER_PARAMS: Mapping[str, Param] = MappingProxyType(
                                "may run up to k steps ahead of the update, with a policy at most k versions older "
                                "than the one it is trained against; k+1 steps are in flight. 0: on-policy",
                                minimum=0),
+        "logger": Param(str, "[console,jsonl,tensorboard]",
+                        "where metrics go, a list of: console (progress lines), jsonl (DIR/metrics.jsonl, always "
+                        "written), tensorboard (DIR/tensorboard), wandb (offline in DIR/wandb unless wandb is set up; "
+                        "pip install 'rlgraph[wandb]'), mlflow (DIR/mlruns unless MLFLOW_TRACKING_URI is set; pip "
+                        "install 'rlgraph[mlflow]'); written [console,wandb] or console,wandb"),
+        "project": Param(str, None, "wandb project and mlflow experiment [default: $WANDB_PROJECT or "
+                         "$MLFLOW_EXPERIMENT_NAME, else rlgraph]", optional=True),
+        "run_name": Param(str, None, "the run's name in wandb and mlflow [default: the run directory's name]",
+                          optional=True),
     }
 )
+
+# what trainer.logger may name; jsonl (metrics.jsonl) is written whether named or not
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def parse_loggers(text: str) -> tuple[str, ...]:
+    """The loggers a ``trainer.logger`` value names, in order: ``[console,wandb]``, ``console,wandb`` and
+    ``["console", "wandb"]`` all give ``("console", "wandb")``. Raises ValueError naming each unknown one."""
+    inner = text.strip().removeprefix("[").removesuffix("]")
+    names = [part.strip().strip("'\"").strip().lower() for part in inner.split(",")]
+    names = list(dict.fromkeys(n for n in names if n))
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        close = {n: difflib.get_close_matches(n, LOGGERS, n=1) for n in unknown}
+        said = ", ".join(f"{n!r}" + (f" (did you mean {close[n][0]!r}?)" if close[n] else "")
+                         for n in unknown)
+        raise ValueError(f"unknown logger{'s' if len(unknown) > 1 else ''} {said}; the loggers are "
+                         f"{', '.join(LOGGERS)}")
+    return tuple(names)
+
 
 DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(
     {

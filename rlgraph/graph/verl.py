@@ -4,7 +4,8 @@ A verl user's overrides (``data.train_batch_size=256``, ``actor_rollout_ref.roll
 ``algorithm.adv_estimator=grpo``) are renamed to rlgraph's keys before the config is resolved,
 each with a one-line notice naming the rlgraph key. A verl key that rlgraph has no equivalent
 for is an error that says so and what to do instead; it is never silently ignored. Keys that
-verl and rlgraph spell the same (``algorithm.gamma``, ``trainer.critic_warmup``) need no alias.
+verl and rlgraph spell the same (``algorithm.gamma``, ``trainer.critic_warmup``, ``trainer.logger``)
+need no alias.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ VERL_ALIASES: Mapping[str, str] = MappingProxyType({
     "trainer.test_freq": "trainer.val_every",
     "trainer.nnodes": "cluster.num_nodes",
     "trainer.n_gpus_per_node": "cluster.gpus_per_node",
+    "trainer.project_name": "trainer.project",
+    "trainer.experiment_name": "trainer.run_name",
 })
 
 # verl's "never" for a frequency is -1; rlgraph's is 0
@@ -76,10 +79,6 @@ VERL_UNSUPPORTED: Mapping[str, str] = MappingProxyType({
                                                             "without tensor parallelism",
     "actor_rollout_ref.actor.fsdp_config.param_offload": "use actor.backend=deepspeed with actor.zero_stage=3",
     "actor_rollout_ref.actor.strategy": "set actor.backend (torch or deepspeed)",
-    "trainer.logger": "rlgraph writes metrics.jsonl and, when tensorboard is installed, TensorBoard logs; "
-                      "choosing loggers is not supported yet",
-    "trainer.project_name": "name the run with rlgraph run -o DIR",
-    "trainer.experiment_name": "name the run with rlgraph run -o DIR",
     "trainer.default_local_dir": "pass the run directory with rlgraph run -o DIR",
     "trainer.val_before_train": "validation runs every trainer.val_every steps",
     "trainer.device": "devices come from the worker groups' num_gpus",

@@ -219,7 +219,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 # --------------------------------------------------------------------------- a run's checkpoints
 # config keys that may differ between a checkpoint and the run resuming it: they do not change results
 RESUMABLE_KEYS = ("trainer.steps", "trainer.val_every", "trainer.save_every", "trainer.max_retries",
-                  "trainer.schedule")
+                  "trainer.schedule", "trainer.logger", "trainer.project", "trainer.run_name")
 
 
 def write_checkpoint(out_dir: Path, step: int, states: Mapping[str, Any], plan: Plan) -> Path:

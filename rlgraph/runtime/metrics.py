@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from rlgraph.runtime.trace import Span
 
-__all__ = ["step_metrics", "flatten_metrics", "MetricsWriter", "write_curve_svg"]
+__all__ = ["step_metrics", "flatten_metrics", "MetricsWriter"]
 
 
 def _stats(prefix: str, values: list[float]) -> dict[str, float]:
@@ -126,41 +126,3 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
-
-def write_curve_svg(path: Path, records: list[Mapping[str, Any]], key: str,
-                    title: str = "per step") -> Path | None:
-    """A line chart of `key` against step (and its 10-step moving average); None if no step has it."""
-    import html
-
-    pts = [(int(r["step"]), float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
-    if not pts:
-        return None
-    left, top, width, height = 60, 40, 720, 300
-    s0, s1 = pts[0][0], max(pts[-1][0], pts[0][0] + 1)
-    lo, hi = min(0.0, min(v for _, v in pts)), max(1.0, max(v for _, v in pts))
-    x = lambda s: left + (s - s0) / (s1 - s0) * width  # noqa: E731
-    y = lambda v: top + height - (v - lo) / (hi - lo) * height  # noqa: E731
-    raw = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in pts)
-    avg = []
-    for i in range(len(pts)):
-        window = [v for _, v in pts[max(0, i - 9):i + 1]]
-        avg.append(f"{x(pts[i][0]):.1f},{y(sum(window) / len(window)):.1f}")
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 30}" height="{top + height + 60}" '
-           f'font-family="sans-serif" font-size="11">',
-           f'<text x="{left}" y="22" font-size="14">{html.escape(title)} ({html.escape(key)})</text>',
-           f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="#999"/>']
-    for k in range(6):
-        v = lo + (hi - lo) * k / 5
-        out.append(f'<text x="{left - 8}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
-        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{left + width}" y2="{y(v):.1f}" stroke="#eee"/>')
-    for k in range(6):
-        s = s0 + (s1 - s0) * k / 5
-        out.append(f'<text x="{x(s):.1f}" y="{top + height + 16}" text-anchor="middle">{s:.0f}</text>')
-    out.append(f'<text x="{left + width / 2}" y="{top + height + 34}" text-anchor="middle">step</text>')
-    out.append(f'<polyline points="{raw}" fill="none" stroke="#9ecae1" stroke-width="1"/>')
-    out.append(f'<polyline points="{" ".join(avg)}" fill="none" stroke="#08519c" stroke-width="2"/>')
-    out.append(f'<text x="{left + width - 4}" y="{top + 14}" text-anchor="end" fill="#08519c">'
-               f'10-step moving average</text>')
-    out.append("</svg>")
-    path.write_text("\n".join(out) + "\n")
-    return path

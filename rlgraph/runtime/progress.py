@@ -1,4 +1,5 @@
-"""Progress reporting: rich bars on a terminal, plain log lines otherwise, TensorBoard if installed.
+"""Progress reporting: rich bars on a terminal, plain log lines otherwise, and the experiment
+trackers that ``trainer.logger`` names (`rlgraph.runtime.loggers`).
 
 The runner calls a `Reporter` at step start, after every finished chunk and at step end; the
 reporter never touches payload, only counts and the step's metrics record.
@@ -6,14 +7,16 @@ reporter never touches payload, only counts and the step's metrics record.
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-__all__ = ["Reporter", "LogReporter", "RichReporter", "TensorBoardReporter", "make_reporter"]
+from rlgraph.errors import ConfigError
 
-log = logging.getLogger("rlgraph")
+if TYPE_CHECKING:
+    from rlgraph.graph.plan import Plan
+
+__all__ = ["Reporter", "LogReporter", "RichReporter", "FaultReporter", "make_reporter"]
 
 _ALWAYS = ("timing/step_s", "driver/payload_bytes")  # shown after the pipeline's headline metrics
 
@@ -97,22 +100,14 @@ class RichReporter(Reporter):
         self.progress.stop()
 
 
-class TensorBoardReporter(Reporter):
-    """Scalars of every step record, under the run directory's ``tensorboard/``."""
+class FaultReporter(Reporter):
+    """Only the fault lines: what a run without ``console`` in trainer.logger prints."""
 
-    def __init__(self, log_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
 
-        self.writer = SummaryWriter(str(log_dir))
-
-    def step_done(self, record: Mapping[str, Any]) -> None:
-        for k, v in record.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                self.writer.add_scalar(k, v, record["step"])
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
+    def fault(self, message: str) -> None:
+        print(f"rlgraph: {message}", file=self.stream, flush=True)
 
 
 class _Many(Reporter):
@@ -129,12 +124,34 @@ class _Many(Reporter):
         return object.__getattribute__(self, name)
 
 
-def make_reporter(out_dir: Path, tty: bool | None = None) -> Reporter:
-    """Rich on a terminal, log lines otherwise; plus TensorBoard when it is installed."""
-    tty = sys.stderr.isatty() if tty is None else tty
-    reporters: list[Reporter] = [RichReporter() if tty else LogReporter()]
+def make_reporter(out_dir: Path, plan: Plan | None = None, tty: bool | None = None) -> Reporter:
+    """The reporters the plan's ``trainer.logger`` names (without a plan, its default): ``console``
+    is the progress display (rich bars on a terminal, log lines otherwise; without it only faults
+    are printed), ``tensorboard``, ``wandb`` and ``mlflow`` the trackers, writing under `out_dir`.
+    ``jsonl`` needs nothing here: the runner always writes metrics.jsonl.
+
+    Raises `ConfigError` for an unknown logger or one whose package is missing, before anything starts.
+    """
+    from rlgraph.graph.dsl import TRAINER_PARAMS, parse_loggers
+    from rlgraph.runtime.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
+
+    config = plan.config if plan is not None else {}
+    trainer = config.get("trainer", {})
+    text = trainer.get("logger", TRAINER_PARAMS["logger"].default)
     try:
-        reporters.append(TensorBoardReporter(out_dir / "tensorboard"))
-    except ImportError:
-        log.debug("tensorboard is not installed; no TensorBoard logs (pip install tensorboard)")
+        names = parse_loggers(text)
+    except ValueError as e:
+        raise ConfigError(f"trainer.logger={text}: {e}") from None
+    out_dir = Path(out_dir)
+    run_name = trainer.get("run_name") or out_dir.resolve().name or (plan.pipeline if plan else "rlgraph")
+    project, pipeline = trainer.get("project"), plan.pipeline if plan is not None else ""
+    tty = sys.stderr.isatty() if tty is None else tty
+    reporters: list[Reporter] = [(RichReporter() if tty else LogReporter()) if "console" in names else FaultReporter()]
+    for name in names:  # each checks its package here, so a missing one fails before Ray starts
+        if name == "tensorboard":
+            reporters.append(TensorBoardLogger(out_dir / "tensorboard", config))
+        elif name == "wandb":
+            reporters.append(WandbLogger(out_dir, config, project, run_name))
+        elif name == "mlflow":
+            reporters.append(MLflowLogger(out_dir, config, project, run_name, pipeline))
     return _Many(reporters)

@@ -44,10 +44,11 @@ from rlgraph.runtime.checkpoint import check_compatible, checkpoint_step, has_st
     read_checkpoint, write_checkpoint
 from rlgraph.runtime.dataplane.base import DataPlaneDied
 from rlgraph.runtime.fleet import PLANE, SOURCE, Fleet
-from rlgraph.runtime.metrics import MetricsWriter, step_metrics, write_curve_svg
+from rlgraph.runtime.metrics import MetricsWriter, step_metrics
+from rlgraph.runtime.plots import write_reward_curve, write_timeline
 from rlgraph.runtime.progress import Reporter
 from rlgraph.runtime.scheduler import Call, Repair, Slots, StepScheduler, repair_for
-from rlgraph.runtime.trace import Span, write_chrome_trace, write_timeline_svg
+from rlgraph.runtime.trace import Span, write_chrome_trace
 from rlgraph.runtime.window import Window
 from rlgraph.runtime.worker import PartResult
 
@@ -267,16 +268,18 @@ class Runner:
                     or (self.save_every and (step + 1) % self.save_every == 0))
 
     def _write_outputs(self, out: Path) -> None:
+        """reward_curve.svg/.png, trace.json and timeline.svg/.png; the timeline's whole-run summary
+        reads every step's op timings from metrics.jsonl (the spans cover the latest steps only)."""
+        all_records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         if self.headline:
-            all_records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-            write_curve_svg(out / "reward_curve.svg", all_records, key=self.headline[0],
-                            title=f"{self.plan.pipeline}: {self.headline[0]} per step")
+            write_reward_curve(out / "reward_curve.svg", all_records, key=self.headline[0],
+                               title=f"{self.plan.pipeline}: {self.headline[0]} per step")
         spans = self.all_spans
         if spans:
             ahead = f", up to {self.depth} steps in flight" if self.depth > 1 else ""
             write_chrome_trace(spans, out / "trace.json")
-            write_timeline_svg(spans, out / "timeline.svg", title=f"{self.plan.pipeline}: {self.schedule} "
-                               f"schedule{ahead}")
+            write_timeline(out / "timeline.svg", spans, title=f"{self.plan.pipeline}: {self.schedule} "
+                           f"schedule{ahead}", records=all_records)
 
     def validate(self, step: int) -> dict[str, Any]:
         """Run the ops that produce the validation columns on the validation split, with the weights

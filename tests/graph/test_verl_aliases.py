@@ -44,12 +44,22 @@ def test_a_verl_command_line_compiles_to_the_same_plan_as_rlgraph_keys(ppo):
 def test_a_verl_key_without_an_equivalent_is_an_error_never_ignored(ppo):
     with pytest.raises(PipelineError) as info:
         rlgraph.compile(ppo, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.hybrid_engine=true",
-                                       "trainer.logger=['console']"])
+                                       "trainer.device=cuda"])
     text = str(info.value)
     assert "'actor_rollout_ref.rollout.name' is a verl config key with no rlgraph equivalent" in text
     assert "set rollout.backend (hf or vllm)" in text
     assert "'actor_rollout_ref.hybrid_engine' is a verl config key" in text  # any key under verl's own sections
-    assert "'trainer.logger' is a verl config key" in text
+    assert "'trainer.device' is a verl config key" in text and "devices come from the worker groups' num_gpus" in text
+
+
+@pytest.mark.parametrize("value", ["[console,wandb]", '["console","wandb"]', "console,wandb"])
+def test_verls_logger_list_and_run_names_are_taken(ppo, value):
+    plan, notices = _compile(ppo, [f"trainer.logger={value}", "trainer.project_name=gsm8k",
+                                   "trainer.experiment_name=qwen-grpo"])
+    trainer = plan.config["trainer"]
+    assert (trainer["logger"], trainer["project"], trainer["run_name"]) == (value, "gsm8k", "qwen-grpo")
+    assert notices == ["trainer.project_name is verl's name for trainer.project; using trainer.project=gsm8k",
+                       "trainer.experiment_name is verl's name for trainer.run_name; using trainer.run_name=qwen-grpo"]
 
 
 def test_a_key_set_under_both_names_is_refused(ppo):

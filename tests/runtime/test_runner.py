@@ -89,7 +89,9 @@ def test_outputs_trace_and_timeline(tq_plane, tmp_path):
     actor_pid = next(e["pid"] for e in trace["traceEvents"] if e.get("args", {}).get("name") == "group actor")
     assert {e["tid"] for e in calls if e["pid"] == actor_pid and e["name"] == "gen"} == {0, 1}
     svg = (tmp_path / "timeline.svg").read_text()
-    assert svg.startswith("<svg") and "actor[1]" in svg and "gen" in svg
+    assert "<svg" in svg and "actor[1]" in svg and "gen" in svg
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert (tmp_path / "reward_curve.svg").is_file() and (tmp_path / "reward_curve.png").stat().st_size > 0
 
 
 def test_the_trace_keeps_the_latest_steps_and_the_driver_no_records(tq_plane, tmp_path):
