@@ -98,9 +98,12 @@ def test_gspo_loss_mode_trains_the_grpo_example(model_dir, tq_plane, tmp_path):
     assert any(not torch.equal(v, before[k]) for k, v in state["model"].items() if k in before)
 
 
-def test_overlong_penalty_between_the_reward_and_the_advantage(model_dir, tq_plane, tmp_path):
-    """stages.overlong_penalty in the GRPO example: the rule reward writes rule_scores, the penalty
-    op adds DAPO's soft overlong punishment and writes token_level_scores for the advantage."""
+def test_dapo_reward_shaping_and_filter_between_the_reward_and_the_advantage(model_dir, tq_plane, tmp_path):
+    """DAPO's reward side in the GRPO example: the rule reward writes rule_scores, the overlong
+    penalty adds the soft overlong punishment (shaped_scores), and dynamic sampling's filter drops
+    the groups whose rule score did not vary, passing the shaped score on as token_level_scores.
+    The dropped groups are counted by reason, are padding for the advantage and the update, and
+    leave the score summary (which covers the trained samples only)."""
     import dataclasses
 
     from rlgraph.ops import stages
@@ -108,49 +111,24 @@ def test_overlong_penalty_between_the_reward_and_the_advantage(model_dir, tq_pla
     pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
     ops = []
     for op in pipeline.ops:
-        if op.name == "reward":
-            ops += [stages.reward(group="reward", score_column="rule_scores"),
-                    stages.overlong_penalty("rule_scores", group="reward")]
-        else:
-            ops.append(op)
-    shaped = dataclasses.replace(pipeline, ops=ops)
+        ops += ([stages.reward(group="reward", score_column="rule_scores"),
+                 stages.overlong_penalty("rule_scores", output_column="shaped_scores"),
+                 stages.filter_groups("shaped_scores", metric_column="rule_scores")] if op.name == "reward" else [op])
     # responses of at most 4 tokens (rollout.max_new_tokens), a buffer of 3: 2 tokens -> -1/3 ...
-    plan = rlgraph.compile(shaped, [f"actor.model_path={model_dir}", "data.batch_size=4", "rollout.n=4",
-                                    "actor.mini_batch_size=2", "data.num_rows=64", "overlong.buffer_len=3"],
-                           pipeline_ref=ref)
-    (rec,) = run_plan(plan, RunOptions(out_dir=tmp_path, steps=1, timeout_s=300), plane=tq_plane)
-    assert rec["overlong/overlong_metrics/penalty_mean"] < 0  # some responses ran into the buffer
-    assert 0 < rec["overlong/overlong_metrics/penalised_frac"] <= 1
-    assert math.isfinite(rec["update_actor/actor_metrics/loss"])
-
-
-def test_filter_groups_drops_zero_variance_groups_from_training(model_dir, tq_plane, tmp_path):
-    """Dynamic sampling's filter in the GRPO example: the rule reward writes raw_scores, the filter
-    drops the groups whose samples all scored alike and passes the score on. The dropped groups
-    are counted by reason, are padding for the advantage and the update, and leave the score
-    summary (which covers the trained samples only)."""
-    import dataclasses
-
-    from rlgraph.ops import stages
-
-    pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
-    ops = []
-    for op in pipeline.ops:
-        ops += ([stages.reward(group="reward", score_column="raw_scores"), stages.filter_groups("raw_scores")]
-                if op.name == "reward" else [op])
     plan = rlgraph.compile(dataclasses.replace(pipeline, ops=ops),
                            [f"actor.model_path={model_dir}", "data.batch_size=8", "rollout.n=4",
-                            "actor.mini_batch_size=2", "data.num_rows=64"], pipeline_ref=ref)
+                            "actor.mini_batch_size=2", "data.num_rows=64", "overlong.buffer_len=3"], pipeline_ref=ref)
     records = run_plan(plan, RunOptions(out_dir=tmp_path, steps=2, timeout_s=300), plane=tq_plane)
     dropped_any = False
     for rec in records:
+        assert rec["overlong/overlong_metrics/penalty_mean"] < 0  # some responses ran into the buffer
+        assert 0 < rec["overlong/overlong_metrics/penalised_frac"] <= 1
         groups = rec["filter_groups/filter_groups_metrics/groups_count"]
         dropped = rec["filter_groups/filter_groups_metrics/dropped_groups_count"]
         assert groups == 8 and rec["filter_groups/filter_groups_metrics/kept_groups_count"] == groups - dropped
         assert rec.get("samples/dropped/zero_variance", 0) == 4 * dropped == rec["samples/dropped"]
         assert rec["samples/trained"] == 32 - 4 * dropped and rec["samples/real"] == 32
         if dropped < groups:
-            assert 0 < rec["score/mean"] < 1  # only groups with both right and wrong answers are left
             assert math.isfinite(rec["update_actor/actor_metrics/loss"])
         dropped_any |= dropped > 0
     assert dropped_any  # the warm-started model answers some prompts always (or never) right
