@@ -85,8 +85,8 @@ fi
 
 pip_install() {
     # pip's own lines (Collecting, Downloading with sizes, Installing), without the ones about what is
-    # already there and this machine's warnings about local indexes that may not exist; a line every
-    # 30 s while pip is busy without printing (unpacking a large wheel, say)
+    # already there and this machine's warnings about local indexes that may not exist; and a line
+    # every 30 s while pip runs, so that a long silent part (unpacking a large wheel) shows it is alive
     local start=$SECONDS
     ( while sleep 30; do say "  ... pip is still working ($((SECONDS - start)) s)"; done ) &
     local beat=$!
@@ -114,10 +114,10 @@ elif [ -n "$HAVE" ] && [ "$TORCH_BUILD" = cpu ] && [ ${#TORCH_ARGS[@]} = 0 ]; th
     say "[1/3] keeping the installed torch $TORCH_VERSION ($HAVE build): PyTorch's CPU index is not reachable, so"
     say "      no CPU build can replace it (set RLGRAPH_TORCH_CPU_INDEX to a reachable mirror)"
 else
-    [ -n "$HAVE" ] && say "replacing torch's $HAVE build"
     say "[1/3] installing torch $TORCH_VERSION (a CPU build is about 200 MB; a CUDA build several GB)"
-    if [ -n "$HAVE" ]; then
-        .venv/bin/python -m pip uninstall -q -y torch 2>&1 | { grep -v "is ignored" || true; }
+    if [ -n "$HAVE" ]; then  # replaced in place: a failed download leaves the installed build working
+        say "replacing torch's $HAVE build"
+        TORCH_ARGS+=(--force-reinstall)
     fi
     pip_install "${TORCH_ARGS[@]}" "torch==$TORCH_VERSION"
     GOT="$(torch_build || true)"

@@ -199,6 +199,14 @@ class _DropLoadReport(logging.Filter):
         return "LOAD REPORT" not in record.getMessage()
 
 
+def critic_config(config: Any) -> Any:
+    """A causal LM's config made a value model's: one label, and no classifier dropout (the
+    transformers default of 0.1 would make values noisy in training mode)."""
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return config
+
+
 def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """A value model: ``AutoModelForTokenClassification`` with one label, initialised from the
     causal LM in `path` (its backbone weights; the ``score`` head is new), as verl's critic.
@@ -216,9 +224,7 @@ def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     no_report = _DropLoadReport()
     quiet.addFilter(no_report)
     try:
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
-        config.num_labels = 1
-        config.classifier_dropout = 0.0
+        config = critic_config(AutoConfig.from_pretrained(p, local_files_only=True))
         model, info = AutoModelForTokenClassification.from_pretrained(
             p, config=config, dtype=dtype, local_files_only=True, output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:

@@ -137,14 +137,16 @@ def filter_groups(uid: torch.Tensor, *, score_column: str, metric_column: str, m
     """Body of `stages.filter_groups`: drop each group whose metric (per-sample sum of
     ``metric_column``) has a population std of at most `min_std`, as verl's filter keeps a prompt
     when ``np.std(metric_vals) > 0`` or it has a single sample."""
-    metric = inputs[metric_column].float().sum(dim=1)  # [b]
+    metric = inputs[metric_column].double().sum(dim=1)  # [b]; float64: equal scores give a std of exactly 0
     real = [i for i, pad in enumerate(ctx.is_padding) if not pad]
     members: dict[int, list[int]] = {}
     for i in real:
         members.setdefault(int(uid[i]), []).append(i)
     dropped = 0
     for rows in members.values():
-        if len(rows) > 1 and float(metric[rows].std(unbiased=False)) <= min_std:
+        vals = metric[rows]
+        alike = bool(vals.max() == vals.min()) if min_std == 0 else float(vals.std(unbiased=False)) <= min_std
+        if len(rows) > 1 and alike:
             ctx.drop(rows[0], "zero_variance", group=True)
             dropped += 1
     metrics = {"groups_count": len(members), "kept_groups_count": len(members) - dropped,

@@ -34,7 +34,7 @@ from rlgraph.graph.plan import Plan
 
 __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
            "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
-           "RESUMABLE_KEYS", "state_skeleton", "load_part"]
+           "RESUMABLE_KEYS", "state_skeleton", "load_part", "checkpoint_steps"]
 
 CHECKPOINT_FORMAT = "rlgraph.checkpoint.v1"
 _TENSOR = "__tensor__"
@@ -200,19 +200,25 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return meta
 
 
+def checkpoint_steps(out_dir: Path) -> list[int]:
+    """The steps of the complete ``step_<k>`` checkpoints under ``out_dir/checkpoints`` (those with a meta.json), sorted."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "meta.json").is_file())
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The newest complete ``step_<k>`` checkpoint under ``out_dir/checkpoints`` (has meta.json).
 
     Its ``meta.json`` is checked (`read_meta`), so a damaged checkpoint, or one from another
     checkpoint format, fails with a `CheckpointError` before anything is restored from it.
     """
-    root = Path(out_dir) / "checkpoints"
-    if not root.is_dir():
+    steps = checkpoint_steps(out_dir)
+    if not steps:
         return None
-    done = [p for p in root.glob("step_*") if (p / "meta.json").is_file() and p.name[5:].isdigit()]
-    latest = max(done, key=lambda p: int(p.name[5:]), default=None)
-    if latest is not None:
-        read_meta(latest)
+    latest = Path(out_dir) / "checkpoints" / f"step_{steps[-1]}"
+    read_meta(latest)
     return latest
 
 

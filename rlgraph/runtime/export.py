@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from rlgraph.errors import RLGraphError
-from rlgraph.runtime.checkpoint import latest_checkpoint, load_part, read_meta, state_skeleton
+from rlgraph.graph.config import flatten
+from rlgraph.runtime.checkpoint import checkpoint_steps, latest_checkpoint, load_part, read_meta, state_skeleton
 
 __all__ = ["ExportError", "Exported", "export_model", "WORKER_CLASSES"]
 
@@ -54,52 +55,51 @@ class Exported:
 def _checkpoint(run_dir: Path, step: int | None) -> Path:
     if not run_dir.is_dir():
         raise ExportError(f"run directory {str(run_dir)!r} does not exist; give the -o directory of `rlgraph run`")
+    have = checkpoint_steps(run_dir)
+    if not have:
+        raise ExportError(f"run directory {str(run_dir)!r} has no checkpoint; run with trainer.save_every=K "
+                          f"(a checkpoint every K steps) to export its model")
     if step is None:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise ExportError(f"run directory {str(run_dir)!r} has no checkpoint; run with trainer.save_every=K "
-                              f"(a checkpoint every K steps) to export its model")
-        return ckpt
-    ckpt = run_dir / "checkpoints" / f"step_{step}"
-    if not (ckpt / "meta.json").is_file():
-        have = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
-                      if p.name[5:].isdigit() and (p / "meta.json").is_file())
+        return latest_checkpoint(run_dir)  # type: ignore[return-value]
+    if step not in have:
         raise ExportError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; it has steps {have} "
                           f"(--step takes one of them; without --step the latest is used)")
-    return ckpt
+    return run_dir / "checkpoints" / f"step_{step}"
 
 
 def _trained_model(ckpt: Path, what: str) -> tuple[str, list[str]]:
     """The state name and key path of the `what` model's weights: the rank-0 worker of the group
     whose `what` worker class has trainer state (the group that ran the update)."""
     cls = WORKER_CLASSES[what]
-    found: list[tuple[bool, str]] = []  # (trained, state name)
+    held, trained = [], []  # state names holding the worker class; those with trainer state
     for js in sorted(ckpt.glob("*.json")):
         name = js.stem
         if name in _NOT_STATE or not name.rsplit("_", 1)[-1].isdigit():
             continue
         inst = state_skeleton(ckpt, name).get("__dict__", {}).get("instances", {}).get("__dict__", {})
         if cls in inst:
+            held.append(name)
             trainer = inst[cls].get("__dict__", {}).get("trainer")
-            found.append((isinstance(trainer, dict) and "model" in trainer.get("__dict__", {}), name))
-    if not found:
+            if isinstance(trainer, dict) and "model" in trainer.get("__dict__", {}):
+                trained.append(name)
+    if not held:
         other = "critic" if what == "actor" else "actor"
         raise ExportError(f"checkpoint {str(ckpt)!r} holds no {what} model (no {cls} worker state): the pipeline "
                           f"has no {what}" + (f"; export the {other} with --what {other}" if what == "critic" else ""))
-    trained = sorted(n for t, n in found if t)
-    name = next((n for n in trained if n.endswith("_0")), trained[0] if trained else sorted(n for _, n in found)[0])
-    if name in trained:  # the engine's copy: the full weights even under ZeRO-3
-        return name, ["instances", cls, "trainer", "model"]
-    return name, ["instances", cls, "model"]
+    if not trained:  # e.g. a checkpoint written during critic_warmup, before the first actor update
+        raise ExportError(f"checkpoint {str(ckpt)!r} holds no trained {what}: no {what} worker had been updated when "
+                          f"it was written ({', '.join(held)} hold untrained copies); export a later --step")
+    # rank 0 of the (first) group that trains it; the engine's copy is the full weights even under ZeRO-3
+    name = next((n for n in trained if n.endswith("_0")), trained[0])
+    return name, ["instances", cls, "trainer", "model"]
 
 
 def _base(config: Mapping[str, Any], what: str, base: Path | None) -> Path:
     if base is not None:
         path, how = Path(base).expanduser(), "--base"
     else:
-        keys = _BASE_KEYS[what]
-        values = [config.get(k.split(".")[0], {}).get(k.split(".")[1]) for k in keys]
-        chosen = next(((k, v) for k, v in zip(keys, values) if v), None)
+        keys, flat = _BASE_KEYS[what], flatten(config)
+        chosen = next(((k, flat[k]) for k in keys if flat.get(k)), None)
         if chosen is None:
             raise ExportError(f"the run's config names no base model ({' or '.join(keys)}); pass --base DIR, the "
                               f"Hugging Face directory the run started from")
@@ -111,15 +111,26 @@ def _base(config: Mapping[str, Any], what: str, base: Path | None) -> Path:
     return path
 
 
-def _build(what: str, base: Path) -> Any:
+def _build(what: str, base: Path, dtype: Any) -> Any:
+    """The base's architecture in `dtype` (the trained weights'), not in the dtype its config names."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(base, local_files_only=True)
-    if what == "actor":
-        return AutoModelForCausalLM.from_config(config)
-    config.num_labels = 1
-    config.classifier_dropout = 0.0
-    return AutoModelForTokenClassification.from_config(config)
+    from rlgraph.ops.models import critic_config
+
+    try:
+        config = AutoConfig.from_pretrained(base, local_files_only=True)
+        if what == "actor":
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForTokenClassification.from_config(critic_config(config), dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise ExportError(f"cannot build the {what}'s architecture from {str(base)!r}: {e}; pass --base with the "
+                          f"model the run started from") from e
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """Whether `a` is `b` or a folder above it (deleting `a` would delete `b`)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents
 
 
 def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
@@ -138,13 +149,16 @@ def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None =
     meta = read_meta(ckpt)
     name, path = _trained_model(ckpt, what)
     base_dir = _base(meta.get("config", {}), what, None if base is None else Path(base))
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise ExportError(f"output directory {str(out_dir)!r} is not empty; give a new one, or --overwrite")
-        shutil.rmtree(out_dir)
+    for inner, what_it_is in ((run_dir, "the run directory"), (base_dir, "the base model")):
+        if _inside(out_dir, inner):
+            raise ExportError(f"output directory {str(out_dir)!r} is (or holds) {what_it_is} {str(inner)!r}; "
+                              f"give a new directory")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"output directory {str(out_dir)!r} is not empty; give a new one, or --overwrite")
 
     weights = load_part(ckpt, name, path)
-    model = _build(what, base_dir)
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    model = _build(what, base_dir, dtypes.pop() if len(dtypes) == 1 else torch.float32)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -158,7 +172,7 @@ def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None =
         raise ExportError(f"the {what} weights in {str(ckpt / name)!r} have other shapes than {str(base_dir)!r}'s "
                           f"architecture ({'; '.join(wrong[:3])}); pass --base with the model the run started from")
     with torch.no_grad():
-        model.load_state_dict({k: weights[k].to(expected[k].dtype) for k in expected}, strict=True)
+        model.load_state_dict({k: weights[k] for k in expected}, strict=True)
     model.eval()
 
     tokenizer = load_tokenizer(base_dir)
@@ -169,12 +183,18 @@ def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None =
             model.generation_config = GenerationConfig.from_pretrained(base_dir, local_files_only=True)
         except OSError:
             model.generation_config = GenerationConfig.from_model_config(model.config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    # written next to the target and swapped in complete: a failed export leaves the old one as it was
+    tmp = out_dir.with_name(out_dir.name + ".rlgraph-export.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
     done = Exported(out_dir=out_dir, what=what, step=int(meta["step"]), state=name, base=base_dir,
-                    parameters=sum(int(t.numel()) for t in expected.values()))
-    (out_dir / "rlgraph_export.json").write_text(json.dumps({
+                    parameters=sum(int(p.numel()) for p in model.parameters()))
+    (tmp / "rlgraph_export.json").write_text(json.dumps({
         "run_dir": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()), "step": done.step, "what": what,
         "state": name, "base": str(base_dir.resolve()), "pipeline": meta.get("pipeline")}, indent=1) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
     return done

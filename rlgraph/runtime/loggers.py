@@ -20,7 +20,6 @@ import importlib
 import json
 import os
 import re
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -57,11 +56,6 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """The numeric metrics of a step record (not the step itself, flags or strings such as the schedule)."""
     return {k: float(v) for k, v in record.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _ending_on() -> BaseException | None:
-    """The exception the run is ending on, if any: the runner calls `close` from its ``finally``."""
-    return sys.exc_info()[1]
 
 
 def _text(value: Any) -> str:
@@ -119,7 +113,7 @@ class TensorBoardLogger(Reporter):
             self.writer.add_scalar(k, v, record["step"])
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         if self.writer is not None:
             self.writer.close()
 
@@ -176,9 +170,9 @@ class WandbLogger(Reporter):
     def step_done(self, record: Mapping[str, Any]) -> None:
         self.run.log(scalars(record), step=int(record["step"]))
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=0 if _ending_on() is None else 1)
+            self.run.finish(exit_code=0 if error is None else 1)
             self.run = None
 
 
@@ -240,9 +234,8 @@ class MLflowLogger(Reporter):
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         if self.run_id is not None:
-            e = _ending_on()
-            status = "FINISHED" if e is None else "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+            status = "FINISHED" if error is None else "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
             self.client.set_terminated(self.run_id, status)
             self.run_id = None

@@ -115,9 +115,9 @@ class MetricsWriter:
     def __init__(self, path: Path, resume_after: int | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_after is None:
+        if resume_after is None or not path.exists():
             path.write_text("")
-        elif path.exists():
+        else:
             keep = [ln for ln in path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", -1) <= resume_after]
             path.write_text("".join(ln + "\n" for ln in keep))

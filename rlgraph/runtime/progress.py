@@ -36,7 +36,8 @@ class Reporter:
     def step_done(self, record: Mapping[str, Any]) -> None: ...
     def fault(self, message: str) -> None: ...  # one line per fault: what died, what was done about it
     def phase(self, message: str) -> None: ...  # one line per start-up phase: what is ready, in how long
-    def close(self) -> None: ...
+    def close(self, error: BaseException | None = None) -> None:
+        """The run ended: `error` is the exception it ends on (None: it finished)."""
 
 
 class LogReporter(Reporter):
@@ -96,7 +97,7 @@ class RichReporter(Reporter):
 
     phase = fault  # a start-up phase is one line too
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         self.progress.stop()
 
 
@@ -111,14 +112,27 @@ class FaultReporter(Reporter):
 
 
 class _Many(Reporter):
+    """Calls every reporter. A tracker that fails after it started (a lost connection to a tracking
+    server, a full disk) is reported once and left out from then on: the training run goes on, and
+    the other reporters still get every call and are all closed. A failure in `start` is raised
+    (the logger the user asked for cannot run), after closing the reporters started before it."""
+
     def __init__(self, reporters: list[Reporter]) -> None:
         self.reporters = reporters
 
     def __getattribute__(self, name: str):
         if name in ("start", "step_started", "chunk_done", "step_done", "fault", "phase", "close"):
             def fan_out(*a: Any, **k: Any) -> None:
-                for r in object.__getattribute__(self, "reporters"):
-                    getattr(r, name)(*a, **k)
+                reporters = object.__getattribute__(self, "reporters")
+                for r in list(reporters):
+                    try:
+                        getattr(r, name)(*a, **k)
+                    except Exception as e:
+                        if name == "start":
+                            raise
+                        reporters.remove(r)
+                        print(f"rlgraph: the {type(r).__name__} failed in {name} ({type(e).__name__}: {e}); "
+                              f"it logs nothing more in this run", file=sys.stderr, flush=True)
 
             return fan_out
         return object.__getattribute__(self, name)

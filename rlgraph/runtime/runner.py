@@ -199,9 +199,10 @@ class Runner:
                 start_step = self._restore(ckpt) + 1
         writer = MetricsWriter(out / "metrics.jsonl", resume_after=start_step - 1 if self.opts.resume else None)
         records: list[dict[str, Any]] = []
-        self.reporter.start(self.steps, start_step, self.headline)
         self._run_start = self._next = start_step
+        error: BaseException | None = None  # what the run ends on, for the trackers' run status
         try:
+            self.reporter.start(self.steps, start_step, self.headline)
             first, pending = start_step, None
             while self._next < self.steps:
                 try:
@@ -221,8 +222,11 @@ class Runner:
                     self.reporter.fault(f"an actor died at step {self._next} outside an op call ({_first_line(e)}); "
                                         f"restoring every worker and replaying")
                     pending = _Restore(e, set())
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            self.reporter.close()
+            self.reporter.close(error)
             self._write_outputs(out)
         return records
 
@@ -269,8 +273,23 @@ class Runner:
 
     def _write_outputs(self, out: Path) -> None:
         """reward_curve.svg/.png, trace.json and timeline.svg/.png; the timeline's whole-run summary
-        reads every step's op timings from metrics.jsonl (the spans cover the latest steps only)."""
-        all_records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        reads every step's op timings from metrics.jsonl (the spans cover the latest steps only).
+        It runs as the run ends, also on an error: a chart that cannot be drawn is a warning, never
+        an exception that would hide the run's own."""
+        try:
+            self._draw(out)
+        except Exception as e:
+            warnings.warn(f"could not write the run's charts to {out} ({type(e).__name__}: {e}); metrics.jsonl "
+                          f"has every step", RuntimeWarning, stacklevel=2)
+
+    def _draw(self, out: Path) -> None:
+        path = out / "metrics.jsonl"
+        all_records = []
+        for ln in (path.read_text().splitlines() if path.is_file() else []):
+            try:
+                all_records.append(json.loads(ln))
+            except ValueError:  # a line cut short by a kill
+                continue
         if self.headline:
             write_reward_curve(out / "reward_curve.svg", all_records, key=self.headline[0],
                                title=f"{self.plan.pipeline}: {self.headline[0]} per step")

@@ -198,3 +198,9 @@ def test_filter_groups_by_hand():
     drops.clear()
     filter_groups(uid, score_column="raw", metric_column="acc", min_std=0.0, ctx=ctx, raw=scores, acc=other)
     assert [d[0] for d in drops] == [2, 4]
+    # shaped scores such as 0.1 or -1/3 on every sample: alike, so dropped (a float32 std is about 1e-8 there)
+    shaped = torch.zeros(8, 3)
+    shaped[:, -1] = torch.tensor([0.1, 0.1, -1 / 3, -1 / 3, 0.6, 0.7, 1.0, 0.0])
+    drops.clear()
+    filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.0, ctx=ctx, raw=shaped)
+    assert [d[0] for d in drops] == [0, 2]

@@ -105,7 +105,7 @@ def test_exported_critic_gives_the_trainers_values(trained, model_dir, tmp_path)
                            trainer(input_ids=input_ids, attention_mask=mask).logits[..., 0])
 
 
-def test_what_cannot_be_exported_is_a_clear_error(trained, tmp_path):
+def test_what_cannot_be_exported_is_a_clear_error(trained, model_dir, tmp_path):
     run_dir, _ = trained
     with pytest.raises(ExportError, match=r"has no checkpoint of step 7; it has steps \[1\]"):
         export_model(run_dir, tmp_path / "a", step=7)
@@ -117,6 +117,16 @@ def test_what_cannot_be_exported_is_a_clear_error(trained, tmp_path):
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(ExportError, match=r"'.*full' is not empty; give a new one, or --overwrite"):
         export_model(run_dir, tmp_path / "full")
+    # --overwrite never deletes the run or the base model, and replaces an export only once the new one is complete
+    with pytest.raises(ExportError, match=r"is \(or holds\) the run directory"):
+        export_model(run_dir, run_dir.parent, overwrite=True)
+    with pytest.raises(ExportError, match=r"is \(or holds\) the base model"):
+        export_model(run_dir, Path(model_dir).parent, overwrite=True)
+    with pytest.raises(ExportError, match=r"has no checkpoint of step 7"):
+        export_model(run_dir, tmp_path / "full", step=7, overwrite=True)
+    assert (tmp_path / "full" / "x").exists()  # a failed export left the old contents alone
+    export_model(run_dir, tmp_path / "full", overwrite=True)
+    assert not (tmp_path / "full" / "x").exists() and (tmp_path / "full" / "model.safetensors").is_file()
     # a pipeline without a critic (as GRPO): say so, and what can be exported
     grpo_like = tmp_path / "grpo_like"
     shutil.copytree(run_dir / "checkpoints", grpo_like / "checkpoints")
@@ -153,3 +163,19 @@ def test_vllm_loads_the_exported_policy_and_generates_as_transformers(trained, t
         assert tokens == logits.argmax(-1).tolist()  # greedy under the exported weights
         hf_lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert float((hf_lp - torch.tensor(fin.logprobs[0])).abs().max()) < 1e-3
+
+
+def test_the_export_keeps_the_trained_dtype_whatever_the_base_config_says(trained, model_dir, tmp_path):
+    """Real bases ship bfloat16 configs; the trained float32 weights are exported as float32."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir, live = trained
+    base = tmp_path / "bf16_base"
+    shutil.copytree(model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    (base / "config.json").write_text(json.dumps(config))
+    export_model(run_dir, tmp_path / "policy", base=base)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", local_files_only=True, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in live["actor"].items())

@@ -170,6 +170,7 @@ def read_mlflow(out_dir: Path):
     from mlflow.tracking import MlflowClient
 
     saved = json.loads((out_dir / RUNS_FILE).read_text())["mlflow"]
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as a user reading the store must (docs/runtime.md)
     client = MlflowClient(saved["tracking_uri"])
     return client, client.get_run(saved["run_id"])
 
@@ -211,11 +212,7 @@ def test_mlflow_marks_a_run_that_ends_on_an_error_failed_and_a_resume_continues_
     reporter = make_reporter(tmp_path, plan, tty=False)
     reporter.start(3, 0)
     reporter.step_done(RECORDS[0])
-    with pytest.raises(RuntimeError):
-        try:
-            raise RuntimeError("a worker died")
-        finally:  # as the runner closes its reporter
-            reporter.close()
+    reporter.close(RuntimeError("a worker died"))  # as the runner closes its reporter on an error
     client, run = read_mlflow(tmp_path)
     assert run.info.status == "FAILED" and client.get_experiment(run.info.experiment_id).name == "mine"
     run_reporter(make_reporter(tmp_path, plan, tty=False), RECORDS[1:], first_step=1)  # --resume after step 0
@@ -333,3 +330,39 @@ def test_rlgraph_run_logs_to_tensorboard_and_mlflow_what_it_writes_to_metrics_js
     for k, points in expected.items():
         assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] == points, k
     assert run.data.params["trainer.logger"] == "[console,tensorboard,mlflow]"
+
+
+def test_a_tracker_that_fails_mid_run_is_left_out_and_the_others_go_on(capsys):
+    from rlgraph.runtime.progress import Reporter, _Many
+
+    class Broken(Reporter):
+        def step_done(self, record):
+            raise ConnectionError("tracking server gone")
+
+    class Counting(Reporter):
+        def __init__(self):
+            self.steps, self.closed = [], None
+
+        def step_done(self, record):
+            self.steps.append(record["step"])
+
+        def close(self, error=None):
+            self.closed = error
+
+    broken, counting = Broken(), Counting()
+    many = _Many([broken, counting])
+    many.start(2, 0)
+    many.step_done({"step": 0})
+    many.step_done({"step": 1})
+    many.close(None)
+    assert counting.steps == [0, 1] and counting.closed is None and many.reporters == [counting]
+    err = capsys.readouterr().err
+    assert err.count("the Broken failed in step_done (ConnectionError: tracking server gone); it logs nothing "
+                     "more in this run") == 1
+
+    class NoStart(Reporter):
+        def start(self, *a, **k):
+            raise RuntimeError("wandb.init failed")
+
+    with pytest.raises(RuntimeError, match="wandb.init failed"):
+        _Many([Counting(), NoStart()]).start(2, 0)
