@@ -62,7 +62,7 @@ pipeline = Pipeline(
         "old_logprob": {"micro_batch_size": 32},
         "ref": {"micro_batch_size": 32},
         "values": {"micro_batch_size": 32},
-        "trainer": {"steps": 200},
+        "trainer": {"steps": 300},
     },
     outputs=["token_level_rewards", "reward_extra"],
     prepare=prepare,

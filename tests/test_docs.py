@@ -35,6 +35,7 @@ command (``rlgraph run`` included) appears in cli.md, dsl.md's table of built-in
 from __future__ import annotations
 
 import os
+import json
 import re
 import shlex
 import shutil
@@ -375,3 +376,43 @@ def test_operators_doc_lists_every_builtin_config_key():
     keys += [f"{s.namespace}.{k}" for s in specs for k in s.params]
     missing = [k for k in keys if f"`{k}`" not in text]
     assert not missing, f"docs/operators.md does not list {missing}"
+
+
+def test_quickstart_and_examples_match_the_measured_runs():
+    """The step counts, sample output and rewards the quick start and docs/examples.md quote are
+    those of the examples today: their trainer.steps defaults and the seed-0 runs recorded by
+    benchmarks/learning.py (benchmarks/results/learning.json; rerun it after changing an example)."""
+    import rlgraph
+    from benchmarks.common import fmt
+    from benchmarks.learning import EXAMPLES, RESULTS, SEEDS
+    from rlgraph.graph.loader import load_pipeline
+
+    steps = {}
+    for ex in EXAMPLES:
+        pipeline, ref = load_pipeline(str(ROOT / "examples" / f"{ex}.py"))
+        steps[ex] = rlgraph.compile(pipeline, [], pipeline_ref=ref).config["trainer"]["steps"]
+    runs = {(r["example"], r["seed"]): r for r in json.loads(RESULTS.read_text())}
+    assert set(runs) == {(ex, s) for ex in EXAMPLES for s in SEEDS}, "learning.json lacks runs: rerun the benchmark"
+    for (ex, seed), r in runs.items():
+        assert r["steps"] == steps[ex], f"learning.json ran {ex} for {r['steps']} steps; it has {steps[ex]} now"
+        assert r["passed"], f"{ex} seed {seed}: {r['gain']:+.3f} in {r['wall_s'] / 60:.1f} min misses +0.2 in 10 min"
+
+    quick = (DOCS / "quickstart.md").read_text()
+    assert f"The `trainer.steps` steps run: {steps['grpo']} for GRPO, {steps['ppo']} for PPO" in quick
+    grpo, ppo = runs[("grpo", 0)], runs[("ppo", 0)]
+    last = steps["grpo"] - 1
+    assert f"rlgraph: running steps 0..{last}" in quick
+    for k, v in grpo["shown"].items():
+        line = (f"step {k}/{last} score/mean={v['score/mean']:.4g} reward/mean={v['reward/mean']:.4g} "
+                f"response_length/mean={v['response_length/mean']:.4g} ")
+        assert line in quick, f"quickstart.md's sample output lacks {line!r} (the seed-0 GRPO run's step {k})"
+    claim = (f"it goes from about {grpo['first10']:.2f} over the\nfirst 10 steps to about {grpo['last10']:.2f} over "
+             f"the last 10 (PPO: {ppo['first10']:.2f} to {ppo['last10']:.2f})")
+    assert claim in quick, f"quickstart.md should say: {claim!r}"
+
+    examples = (DOCS / "examples.md").read_text()
+    for ex, n in steps.items():
+        for m in re.finditer(rf"`{ex}\.py`[^|\n]*\| (\d+) \|", examples):
+            assert int(m.group(1)) == n, f"examples.md gives {ex}.py {m.group(1)} steps; it has {n}"
+    for (ex, seed), r in runs.items():
+        assert f"| `{ex}.py` | {steps[ex]} | {seed} | {fmt(r['first3'])} | {fmt(r['last3'])} |" in examples, (ex, seed)
