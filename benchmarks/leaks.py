@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from rlgraph.runtime.progress import Reporter
 
 MB = 1024 * 1024
 
@@ -57,20 +58,13 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-class _Sampler:
+class _Sampler(Reporter):
     """A reporter that samples every `every` steps (it runs in the driver, between steps)."""
 
     def __init__(self, runner: Any, every: int) -> None:
         self.runner, self.every = runner, every
         self.rows: list[dict[str, float]] = []
         self.pids: list[int] | None = None
-
-    def start(self, *a: Any, **k: Any) -> None: ...
-    def step_started(self, *a: Any, **k: Any) -> None: ...
-    def chunk_done(self, *a: Any, **k: Any) -> None: ...
-    def phase(self, *a: Any, **k: Any) -> None: ...
-    def fault(self, *a: Any, **k: Any) -> None: ...
-    def close(self) -> None: ...
 
     def step_done(self, record: dict[str, Any]) -> None:
         import ray
