@@ -31,7 +31,8 @@ DOC = common.ROOT / "docs" / "examples.md"
 KEY = "score/mean"
 
 
-def _steps(example: str) -> int:
+def default_steps(example: str) -> int:
+    """The example's trainer.steps, as `rlgraph run` compiles it without overrides."""
     import rlgraph
     from rlgraph.graph.loader import load_pipeline
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for ex in args.examples or EXAMPLES:
         for seed in args.seeds:
-            print(f"== {ex} seed {seed} ({_steps(ex)} steps)", flush=True)
+            print(f"== {ex} seed {seed} ({default_steps(ex)} steps)", flush=True)
             r = run_one(ex, seed, args.out)
             print(f"   {r['first3']:.3f} -> {r['last3']:.3f} ({r['gain']:+.3f}) in {r['wall_s'] / 60:.1f} min"
                   f"{'' if r['passed'] else '  BELOW TARGET'}", flush=True)

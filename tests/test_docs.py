@@ -382,15 +382,10 @@ def test_quickstart_and_examples_match_the_measured_runs():
     """The step counts, sample output and rewards the quick start and docs/examples.md quote are
     those of the examples today: their trainer.steps defaults and the seed-0 runs recorded by
     benchmarks/learning.py (benchmarks/results/learning.json; rerun it after changing an example)."""
-    import rlgraph
     from benchmarks.common import fmt
-    from benchmarks.learning import EXAMPLES, RESULTS, SEEDS
-    from rlgraph.graph.loader import load_pipeline
+    from benchmarks.learning import EXAMPLES, RESULTS, SEEDS, default_steps
 
-    steps = {}
-    for ex in EXAMPLES:
-        pipeline, ref = load_pipeline(str(ROOT / "examples" / f"{ex}.py"))
-        steps[ex] = rlgraph.compile(pipeline, [], pipeline_ref=ref).config["trainer"]["steps"]
+    steps = {ex: default_steps(ex) for ex in EXAMPLES}
     runs = {(r["example"], r["seed"]): r for r in json.loads(RESULTS.read_text())}
     assert set(runs) == {(ex, s) for ex in EXAMPLES for s in SEEDS}, "learning.json lacks runs: rerun the benchmark"
     for (ex, seed), r in runs.items():

@@ -24,7 +24,7 @@ from typing import Any, Literal, Mapping
 
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.config import flatten
-from rlgraph.runtime.checkpoint import checkpoint_steps, latest_checkpoint, load_part, read_meta, state_skeleton
+from rlgraph.runtime.checkpoint import checkpoint_steps, load_part, read_meta, state_skeleton
 
 __all__ = ["ExportError", "Exported", "export_model", "WORKER_CLASSES"]
 
@@ -60,8 +60,8 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
         raise ExportError(f"run directory {str(run_dir)!r} has no checkpoint; run with trainer.save_every=K "
                           f"(a checkpoint every K steps) to export its model")
     if step is None:
-        return latest_checkpoint(run_dir)  # type: ignore[return-value]
-    if step not in have:
+        step = have[-1]  # the latest (export_model reads and checks its meta.json)
+    elif step not in have:
         raise ExportError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; it has steps {have} "
                           f"(--step takes one of them; without --step the latest is used)")
     return run_dir / "checkpoints" / f"step_{step}"
