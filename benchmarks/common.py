@@ -126,7 +126,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 MARK = "<!-- bench:{}:{} -->"
-ORDER = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "findings"]
+ORDER = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality", "findings"]
 HEADER = """# Performance
 
 Every speed claim of rlgraph has a benchmark under `benchmarks/` that measures its comparison in
@@ -136,7 +136,7 @@ everything or one section (the other sections are kept):
 
 ```bash
 .venv/bin/python -m benchmarks.run all            # every section (about 15 minutes on 2 cores)
-.venv/bin/python -m benchmarks.run overlap        # or: real, traffic, dataplane, padding, scale, rollout, staleness
+.venv/bin/python -m benchmarks.run overlap        # or: real, traffic, dataplane, padding, scale, rollout, staleness, leaks, locality
 .venv/bin/python -m benchmarks.run all --quick    # tiny sizes, a smoke test (what the tests run)
 ```
 

@@ -18,6 +18,7 @@ __all__ = [
     "PipelineLoadError",
     "OpError",
     "StepTimeout",
+    "RefillExhausted",
     "WorkerDiedError",
 ]
 
@@ -80,6 +81,11 @@ class OpError(RLGraphError):
 class InvariantError(RLGraphError):
     """A broken invariant of the run, a bug rather than a transient failure (e.g. the update given
     samples older than trainer.max_staleness): the run fails at once, retrying cannot help."""
+
+
+class RefillExhausted(RLGraphError):
+    """Dynamic sampling ran its ``max_rounds`` generation rounds without keeping enough groups to
+    fill the batch, and the filter's ``on_exhaust`` is ``fail``; the message has the counts and fixes."""
 
 
 class StepTimeout(RLGraphError):

@@ -173,6 +173,8 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
     problems += alias_problems
     config, cfg_problems = resolve_config(schema, flatten(pipeline.config), raw)
     problems += cfg_problems
+    if config.get("dataplane.storage_units") is None:  # one storage unit per node
+        config["dataplane.storage_units"] = max(1, int(config.get("cluster.num_nodes") or 1))
 
     dag = nx.MultiDiGraph()
     src = pipeline.source.name

@@ -259,6 +259,8 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
             add(prob if prob.op else Problem(prob.code, f"op {o.name!r}: {prob.message}", prob.fix, op=o.name,
                                              column=prob.column))
 
+    problems += _refill_problems(g)
+
     loggers = g.config.get("trainer.logger")
     if isinstance(loggers, str):
         try:
@@ -273,6 +275,39 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
 
         problems += resource_problems(g)
     return problems
+
+
+def _refill_problems(g: BuiltGraph) -> list[Problem]:
+    """Dynamic sampling's refill (an op declared ``refill=True``): one such op, a group filter, whose
+    rounds (it and every op upstream) write no state, in an on-policy run."""
+    refill = [o for o in g.pipeline.ops if o.refill]
+    out: list[Problem] = []
+    if len(refill) > 1:
+        out.append(Problem("refill", f"ops {[o.name for o in refill]} all refill the batch; a step has one refill",
+                           "keep refill=True on one filter (stages.filter_groups), drop it from the others"))
+    for o in refill:
+        missing = [k for k in ("max_rounds", "on_exhaust") if k not in o.params]
+        if missing:
+            out.append(Problem("refill", f"op {o.name!r} refills the batch but has no params {missing}",
+                               "declare max_rounds (int) and on_exhaust ('train' or 'fail'), as "
+                               "stages.filter_groups does", op=o.name))
+        if o.granularity != "group" or not o.drops:
+            out.append(Problem("refill", f"op {o.name!r} refills the batch but is not a group filter "
+                               f"(granularity {o.granularity!r}, drops={o.drops})",
+                               "declare it with granularity='group' and drops=True", op=o.name))
+        staleness = g.config.get("trainer.max_staleness")
+        if isinstance(staleness, int) and staleness > 0:
+            out.append(Problem("refill", f"op {o.name!r} refills the batch (dynamic sampling), which runs each step's "
+                               f"generation rounds before its training; trainer.max_staleness={staleness} would run "
+                               f"the rollout ahead of them", "set trainer.max_staleness=0 for dynamic sampling, or "
+                               f"drop the filter", op=o.name))
+        rounds = g.upstream.get(o.name, frozenset()) | {o.name}
+        for r in g.pipeline.ops:
+            if r.name in rounds and any(t.kind == "state" for t in r.outputs.values()):
+                out.append(Problem("refill", f"op {r.name!r} writes state but runs in every round of {o.name!r} "
+                                   f"(it is upstream of the filter)", "move the filter before the ops that "
+                                   "update state (the advantage and the update read its output)", op=r.name))
+    return out
 
 
 def check(g: BuiltGraph) -> BuiltGraph:

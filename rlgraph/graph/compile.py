@@ -17,7 +17,7 @@ from rlgraph.graph.check import check
 from rlgraph.graph.config import nest
 from rlgraph.graph.dsl import Pipeline
 from rlgraph.graph.place import place
-from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, ValidationPlan
+from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, RefillPlan, ValidationPlan
 from rlgraph.graph.prune import prune
 from rlgraph.graph.schedule import mode_of, schedule, staleness
 from rlgraph.version import __version__
@@ -95,7 +95,24 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
         cluster=cluster,
         summaries=dict(g.pipeline.summaries),
         validation=_validation(g),
+        refill=_refill(g, columns),
     )
+
+
+def _refill(g: BuiltGraph, columns: Mapping[str, ColumnPlan]) -> RefillPlan | None:
+    """Dynamic sampling: the rounds' ops (the refilling filter and everything upstream) and the
+    columns the kept rows carry into the training batch."""
+    spec = next((o for o in g.pipeline.ops if o.refill), None)
+    if spec is None:
+        return None
+    rounds = g.upstream[spec.name] | {spec.name}
+    round_ops = [o.name for o in g.pipeline.ops if o.name in rounds]
+    made = set(g.pipeline.source.all_columns()) | {c for o in g.pipeline.ops if o.name in rounds for c in o.outputs}
+    carried = [c for c, col in columns.items()
+               if c in made and col.stored and col.level == "sample" and col.kind == "data"
+               and any(r not in rounds for r in col.consumers)]
+    return RefillPlan(op=spec.name, round_ops=round_ops, carried=carried,
+                      max_rounds=int(g.param(spec, "max_rounds")), on_exhaust=g.param(spec, "on_exhaust"))
 
 
 def _validation(g: BuiltGraph) -> ValidationPlan:

@@ -184,6 +184,11 @@ def schedule_section(plan: Plan) -> RenderableType:
     for i, names in enumerate(s.stages):
         _row(grid, f"stage {i}", ", ".join(names))
     _row(grid, "critical path", f"{' -> '.join(s.critical_path)} (cost {s.critical_path_cost:g})")
+    rf = plan.refill
+    if rf is not None:
+        _row(grid, "dynamic sampling", f"rounds of {', '.join(rf.round_ops)} on fresh prompts until "
+             f"{plan.batch.batch_size} groups are kept by {rf.op} (at most {rf.max_rounds}, then {rf.on_exhaust}); "
+             f"carried into the batch: {', '.join(rf.carried)}")
     return Group(Text("schedule", style="bold"), grid)
 
 

@@ -107,7 +107,12 @@ DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(
     {
         "backend": Param(str, "transferqueue", "where columns live between ops",
                          choices=("transferqueue", "ray")),
-        "storage_units": Param(int, 1, "TransferQueue storage units (each reserves dataplane.cpus_per_unit CPUs)", minimum=1),
+        "storage_units": Param(int, None, "TransferQueue storage units, placed one per node round-robin (each "
+                               "reserves dataplane.cpus_per_unit CPUs) [default: one per node, cluster.num_nodes]",
+                               optional=True, minimum=1),
+        "locality": Param(str, "node", "where TransferQueue stores a row: node (on a unit of the node of the worker "
+                          "that handles it, and calls go to workers near their rows) or hash (TransferQueue's own "
+                          "rule, row index modulo units)", choices=("node", "hash")),
         "cpus_per_unit": Param(float, 1.0, "logical CPUs reserved by the controller and by each storage unit",
                                minimum=0.0),
     }
@@ -158,6 +163,9 @@ class OpSpec:
     doc: str = ""
     drops: bool = False  # the body may drop rows from training (ctx.drop): the plan lists the ops its drops reach
     streams: bool = False  # the body is a generator that yields its rows in parts as they finish
+    # the op filters groups and the step refills its batch with more rounds of the ops up to it
+    # (dynamic sampling): params ``max_rounds`` and ``on_exhaust`` say how many and what then
+    refill: bool = False
     # the op may read its state inputs (weights) up to trainer.max_staleness steps old: the
     # behaviour policy of an asynchronous run (generate), which then runs ahead of the update
     stale_ok: bool = False

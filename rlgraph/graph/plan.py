@@ -205,6 +205,20 @@ class ValidationPlan(_Frozen):
     ops: list[str] = Field(description="the ops needed to produce them, in plan order")
 
 
+class RefillPlan(_Frozen):
+    """Dynamic sampling: each step runs rounds of the ops up to a group filter (fresh prompts each
+    round) until the groups it kept fill the batch, then trains on those groups only."""
+
+    op: str = Field(description="the filter (an op declared refill=True) whose kept groups fill the batch")
+    round_ops: list[str] = Field(description="the filter and every op upstream of it, in plan order: run once per "
+                                 "round, on the round's own rows")
+    carried: list[str] = Field(description="columns the kept rows bring from their round into the training batch "
+                               "(written by the source or a round op, read by a later op)")
+    max_rounds: int = Field(description="rounds per step at most, the first included (verl's max_num_gen_batches)")
+    on_exhaust: Literal["train", "fail"] = Field(
+        description="when the rounds run out before the batch is full: train on the kept groups, or fail")
+
+
 class Plan(_Frozen):
     """A compiled pipeline. Write with `save`, read with `load_plan`."""
 
@@ -233,6 +247,7 @@ class Plan(_Frozen):
         description="per-sample column -> metric name: the mean/max/min over real rows of each row's sum; the "
         "first is the headline metric")
     validation: ValidationPlan
+    refill: RefillPlan | None = Field(None, description="dynamic sampling's rounds, if an op refills the batch")
 
     def op(self, name: str) -> OpPlan:
         for o in self.ops:

@@ -67,6 +67,7 @@ _EDGE = "#666666"
 _CRITICAL = "#b2182b"
 _STATE = "#2166ac"
 _PRUNED = "#6e6e6e"
+_REFILL = "#1b7837"  # dynamic sampling: the refill loop and the ops it repeats
 _SOURCE_FILL = "#ffffff"
 _MODE_TEXT = {
     "stream": "stream: micro-batches of ready rows",
@@ -146,6 +147,12 @@ def _op_label(plan: Plan, o: OpPlan) -> str:
         ))
     if o.skip_before_step:
         lines.append(_small(f"skipped while step < {o.skip_before_step}"))
+    rf = plan.refill
+    if rf is not None and o.name == rf.op:
+        lines.append(_small(f"refill: rounds until {plan.batch.batch_size} groups are kept (at most "
+                            f"{rf.max_rounds}, then {rf.on_exhaust})", _REFILL))
+    elif rf is not None and o.name in rf.round_ops:
+        lines.append(_small("runs once per refill round", _REFILL))
     # outputs that no op reads: kept ones (pipeline outputs, metrics) and pruned ones (greyed)
     unread = [c for c in o.outputs if c in plan.columns and not plan.columns[c].consumers]
     kept = sorted(c for c in unread if plan.columns[c].stored)
@@ -203,7 +210,9 @@ def _title(plan: Plan, colours: Mapping[str, str]) -> str:
     rows.append(
         f'<TR><TD COLSPAN="2" ALIGN="LEFT">'
         f"{_small(f'bold: critical path, cost {_num(plan.schedule.critical_path_cost)}', _CRITICAL)}"
-        f"{_small(' · dashed: state for the next step', _STATE)}</TD></TR>"
+        f"{_small(' · dashed: state for the next step', _STATE)}"
+        + (_small(" · dotted: dynamic sampling's refill", _REFILL) if plan.refill is not None else "")
+        + "</TD></TR>"
     )
     groups = {g.name: g for g in plan.groups}
     placement = {p.name: p.placement for p in plan.pools}
@@ -274,6 +283,15 @@ def to_dot(plan: Plan) -> "graphviz.Digraph":
         elif (u, v) in critical:
             attrs.update(penwidth="2.6", color=_CRITICAL, arrowsize="0.9")
         dot.edge(u, v, _edge_label(plan, columns, kind == "state", lag), **attrs)
+    rf = plan.refill
+    if rf is not None:  # dynamic sampling: the filter asks the source for more prompts
+        label = (f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="{_LABEL_PAD}"><TR><TD>'
+                 f'<FONT POINT-SIZE="9" COLOR="{_REFILL}"><I>refill: fresh prompts while fewer than '
+                 f'{plan.batch.batch_size} groups<BR/>are kept (up to {rf.max_rounds} rounds)</I></FONT>'
+                 '</TD></TR></TABLE>>')
+        dot.edge(rf.op, src, label, style="dotted", constraint="false", color=_REFILL, penwidth="1.6",
+                 tailport="w", headport="w", tooltip=f"{rf.op} -> {src}: dynamic sampling's refill rounds "
+                 f"(ops {', '.join(rf.round_ops)})")
     return dot
 
 

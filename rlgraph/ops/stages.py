@@ -349,7 +349,14 @@ def filter_groups(score_column: str = "raw_scores", metric_column: str | None = 
     `metric_column` (say the rule score before overlong shaping). Give the op that writes the
     score ``score_column=score_column`` so that this op sits between it and the advantage. A
     group of one sample is kept (its variance says nothing), as verl keeps it. Dropped groups are
-    counted under ``samples/dropped/zero_variance``; downstream ops treat them as padding."""
+    counted under ``samples/dropped/zero_variance``.
+
+    Each step then refills its batch, as verl's ``filter_groups`` does: the data source gives fresh
+    prompts for another round of generation and scoring (the ops up to this one) until the kept
+    groups fill ``data.batch_size`` prompts, for at most ``max_rounds`` rounds. Only the first
+    ``data.batch_size`` kept groups are trained (the rest count as ``samples/dropped/surplus``),
+    padded to the plan's multiple as any batch. When the rounds run out, ``on_exhaust`` says
+    whether the step trains on the groups it has or fails."""
     metric = metric_column or score_column
     inputs: dict[str, ColumnType] = {score_column: T.float32(R), "uid": SYSTEM_COLUMNS["uid"]}
     if metric != score_column:
@@ -368,10 +375,18 @@ def filter_groups(score_column: str = "raw_scores", metric_column: str | None = 
             "min_std": Param(float, 0.0, "a group whose metric has a standard deviation at most this is dropped "
                              "(0: only groups whose samples all scored the same)", minimum=0.0),
             "micro_batch_size": Param(int, 16, "groups per call", minimum=1),
+            "max_rounds": Param(int, 4, "generation rounds per step at most, the first included (verl's "
+                                "max_num_gen_batches): each round scores fresh prompts until the kept groups fill "
+                                "data.batch_size; 1: no refill, the step trains on what its one round kept",
+                                minimum=1),
+            "on_exhaust": Param(str, "train", "when max_rounds rounds kept fewer than data.batch_size groups: train "
+                                "on the groups kept (train) or stop the run with an error (fail, as verl)",
+                                choices=("train", "fail")),
         },
         impl="rlgraph.ops.reward:filter_groups",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,
+        refill=True,
         cost=0.05,
         doc="Dynamic sampling's filter (DAPO): drops the groups whose metric has zero variance.",
     ).with_(**changes)

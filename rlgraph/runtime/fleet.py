@@ -297,13 +297,14 @@ class Fleet:
             raise
 
     def submit(self, call: Call, step: int, partition: str, uids: list[int], tags: tuple[bool, ...],
-               batch_inputs: Mapping[str, Any], fault: str | None) -> Any:
+               batch_inputs: Mapping[str, Any], fault: str | None, salt: int = 0) -> Any:
         """Start `call` on its rank; returns what to wait on: an object reference, or for a streaming
-        op a Ray streaming generator that delivers each part's result, then the call's."""
+        op a Ray streaming generator that delivers each part's result, then the call's. `salt`: the
+        refill round (dynamic sampling), so that each round's calls get seeds of their own."""
         c = call.chunk
         worker = self.workers[call.group][call.rank]
         args = (c.op, step, partition, c.index, list(call.rows), [uids[i] for i in call.rows], list(tags),
-                dict(batch_inputs), fault)
+                dict(batch_inputs), fault, salt)
         if self.plan.op(c.op).streams:
             return worker.run_chunk_stream.options(num_returns="streaming").remote(*args)
         return worker.run_chunk.remote(*args)
@@ -350,6 +351,13 @@ class Fleet:
         """Have the source write a step's first columns; returns the rows' group ids and padding tags."""
         return self.get([self.source.produce.remote(partition, rows, uid_start, validation)],
                         f"the data source to write partition {partition!r}")[0]
+
+    def assemble(self, partition: str, picks: list[tuple[str, list[int]]], columns: list[str], padding: int,
+                 pad_uid_start: int) -> None:
+        """Have the source write a refilled batch: the rows `picks` names (round partition, rows) with
+        `columns`, then `padding` padding rows; the payload moves between workers, not the driver."""
+        self.get([self.source.assemble.remote(partition, picks, columns, padding, pad_uid_start)],
+                 f"the data source to assemble the training batch {partition!r} from the rounds")
 
     # ------------------------------------------------------------------ state
     def export_state(self, group: str, column: str) -> Any:

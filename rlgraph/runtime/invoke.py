@@ -269,7 +269,8 @@ class Invoker:
                          master_addr=self.master_addr, master_port=self.master_port, group_size=self.plan.batch.n)
 
     def _start(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
-               inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None) -> tuple[Any, dict, OpContext | None]:
+               inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None,
+               salt: int = 0) -> tuple[Any, dict, OpContext | None]:
         """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx."""
         bound = self.bound[op.name]
         kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name]) for name in op.inputs
@@ -286,7 +287,8 @@ class Invoker:
         if bound.takes_ctx:
             ctx = kwargs[_CTX] = OpContext(
                 op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step, chunk=chunk,
-                seed=stable_seed(self.seed, step, op.name, chunk), rows=tuple(rows), is_padding=tuple(is_padding),
+                seed=stable_seed(self.seed, step, op.name, chunk, *((salt,) if salt else ())),
+                rows=tuple(rows), is_padding=tuple(is_padding),
                 config=self.plan.config, master_addr=self.master_addr, master_port=self.master_port,
                 lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs),
                 group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
@@ -299,9 +301,10 @@ class Invoker:
                 self.state[name] = out[name]
 
     def call(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
-             inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs."""
-        result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+             inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None, salt: int = 0) -> dict[str, Any]:
+        """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs. `salt`
+        (a refill round) enters the call's seed."""
+        result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         if ctx is not None:
             self.last_dropped = dict(ctx.dropped)
         out = check_outputs(self.plan, op, result, len(rows), lengths)
@@ -309,13 +312,13 @@ class Invoker:
         return out
 
     def stream(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
-               inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None
+               inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None, salt: int = 0
                ) -> Iterator[tuple[list[int], dict[str, Any]]]:
         """Run a streaming `op` on `rows`: yields ``(positions, outputs)`` for each part the body
         yields (positions in the call, its per-sample outputs for them, checked and converted). Once
         it is exhausted, `last_rest` holds the op's other outputs (metrics, state, batch columns) and
         `last_dropped` the rows it dropped. Every row must be yielded exactly once."""
-        parts, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+        parts, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         per_row = [c for c in op.outputs if _per_row(self.plan.columns[c])]
         rest = [c for c in op.outputs if c not in per_row]
         done = [False] * len(rows)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlgraph.errors import InvariantError, RLGraphError, StepTimeout, WorkerDiedError
+from rlgraph.errors import InvariantError, RefillExhausted, RLGraphError, StepTimeout, WorkerDiedError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.checkpoint import check_compatible, checkpoint_step, has_state, latest_checkpoint, \
@@ -47,7 +47,7 @@ from rlgraph.runtime.fleet import PLANE, SOURCE, Fleet
 from rlgraph.runtime.metrics import MetricsWriter, step_metrics
 from rlgraph.runtime.plots import write_reward_curve, write_timeline
 from rlgraph.runtime.progress import Reporter
-from rlgraph.runtime.scheduler import Call, Repair, Slots, StepScheduler, repair_for
+from rlgraph.runtime.scheduler import Call, Repair, Slots, StepScheduler, repair_for, row_homes
 from rlgraph.runtime.trace import Span, write_chrome_trace
 from rlgraph.runtime.window import Window
 from rlgraph.runtime.worker import PartResult
@@ -129,6 +129,10 @@ class _Live:
     t0: float
     bytes0: int
     rec: _Record = field(default_factory=_Record)
+    salt: int = 0  # a refill round: enters its calls' seeds
+    keep: bool = False  # keep the partition once done (a refill round: its kept rows are copied later)
+    quiet: frozenset[str] = frozenset()  # ops whose op metrics are not recorded (the rounds' ops on padding)
+    refill: dict[str, Any] = field(default_factory=dict)  # the rounds' accounting: real, dropped, metrics
 
     @property
     def training(self) -> bool:
@@ -341,29 +345,159 @@ class Runner:
         self._events({}, admit_more, on_done)
 
     def _admit(self, step: int, key: float | None = None, partition: str | None = None,
-               ops: set[str] | None = None) -> _Live:
+               ops: set[str] | None = None, uid_start: int | None = None, reads: int | None = None) -> _Live:
         """Create step `step`'s partition, have the source fill it, and put its scheduler in the window."""
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
         key = step if key is None else key
         # a retried step gets a fresh partition: calls abandoned by the failed attempt may still write
         partition = partition or f"train_{step}" + (f"_retry{self._attempts[step]}" if self._attempts.get(step) else "")
+        if key == step and ops is None and self.plan.refill is not None:
+            return self._admit_refilled(step, partition)
         b = self.plan.batch
         rows = b.padded_batch_warmup if step < b.critic_warmup else b.padded_batch
         t0, bytes0 = time.time(), payload_bytes_in_this_process()
-        self.fleet.plane.create_partition(partition, rows)
+        homes = self._row_homes(rows)
+        self.fleet.plane.create_partition(partition, rows, homes)
         try:
-            uids, is_padding = self.fleet.produce(partition, rows, step * rows, partition.startswith("val"))
+            uids, is_padding = self.fleet.produce(partition, rows, step * rows if uid_start is None else uid_start,
+                                                  partition.startswith("val"))
         except BaseException:
             self.fleet.plane.clear(partition)
             raise
         training = key == step
+        units = self.fleet.plane.storage_nodes()
         sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, ops, slots=self._slots,
-                              gated=self.window.gated_ops(reads_fixed=not training))
-        self.window.admit(key, sched, reads=None if training else step)
+                              gated=self.window.gated_ops(reads_fixed=not training),
+                              row_nodes=None if homes is None else [units[h] for h in homes],
+                              rank_nodes=self.fleet.node_of)
+        self.window.admit(key, sched, reads=None if training else step if reads is None else reads)
         if training:
             self.reporter.step_started(step, sched.chunk_counts())
         return _Live(key, step, partition, sched, list(is_padding), t0, bytes0)
+
+    # ------------------------------------------------------------------ dynamic sampling
+    def _admit_refilled(self, step: int, partition: str) -> _Live:
+        """Step `step` with dynamic sampling (`Plan.refill`): rounds of the ops up to the filter, each
+        on fresh prompts in a partition of its own, until the groups the filter kept fill the batch
+        or the rounds run out; then the first ``data.batch_size`` kept groups, padded to the plan's
+        multiple, are copied (by the source actor) into the step's partition, where every op runs
+        on the padding rows and the ops after the filter on all of them. Returns that step."""
+        from rlgraph.runtime.dataplane import payload_bytes_in_this_process
+
+        rf, b = self.plan.refill, self.plan.batch
+        warm = step < b.critic_warmup
+        rows = b.padded_batch_warmup if warm else b.padded_batch
+        multiple = b.multiple_warmup if warm else b.multiple
+        span = rf.max_rounds + 2  # uid blocks of `rows` per step: one per round, one for the padding
+        t0, bytes0 = time.time(), payload_bytes_in_this_process()
+        rec = _Record()
+        kept: list[tuple[str, list[int], list[int]]] = []  # (round partition, rows, uids) of each kept group
+        reasons: dict[str, int] = {}
+        real = rounds = generated = 0
+        made: list[str] = []
+        try:
+            for k in range(rf.max_rounds):
+                if len(kept) >= b.batch_size:
+                    break
+                part = f"{partition}_round{k}"
+                lv = self._admit(step, key=step - 1 + (k + 1) / (rf.max_rounds + 1), partition=part,
+                                 ops=set(rf.round_ops), uid_start=(step * span + k) * rows, reads=step - 1)
+                lv.salt, lv.keep = k, True
+                made.append(part)
+                self._events({lv.key: lv}, lambda live: None, lambda done, m: None)
+                rounds += 1
+                sched = lv.sched
+                groups: dict[int, list[int]] = {}
+                for r in range(sched.num_rows):
+                    if not sched.is_padding[r]:
+                        real += 1
+                        if r not in sched.dropped:
+                            groups.setdefault(sched.uids[r], []).append(r)
+                generated += len({sched.uids[r] for r in range(sched.num_rows) if not sched.is_padding[r]})
+                for reason, _ in sched.dropped.values():
+                    reasons[reason] = reasons.get(reason, 0) + 1
+                kept += [(part, rs, [sched.uids[r] for r in rs]) for rs in groups.values()]
+                rec.spans += lv.rec.spans
+                rec.result_bytes += lv.rec.result_bytes
+                rec.restarts += lv.rec.restarts
+                rec.sync_s += lv.rec.sync_s
+                rec.batch_values.update(lv.rec.batch_values)
+                for op, records in lv.rec.op_metrics.items():
+                    rec.op_metrics.setdefault(op, []).extend(records)
+                for col, vals in lv.rec.summaries.items():  # re-keyed below, to the rows of the batch
+                    rec.summaries.setdefault(col, {}).update({(part, r): v for r, v in vals.items()})
+            exhausted = len(kept) < b.batch_size
+            if exhausted:
+                self._exhausted(step, rounds, len(kept), generated, reasons)
+            surplus = kept[b.batch_size:]
+            kept = kept[:b.batch_size]
+            if surplus:
+                reasons["surplus"] = sum(len(rs) for _, rs, _ in surplus)
+            n_kept = sum(len(rs) for _, rs, _ in kept)
+            padded = max(multiple, -(-n_kept // multiple) * multiple)
+            pad_start = (step * span + rf.max_rounds + 1) * rows
+            uids = [u for _, _, us in kept for u in us] + [pad_start + i for i in range(padded - n_kept)]
+            is_padding = [False] * n_kept + [True] * (padded - n_kept)
+            picks: list[tuple[str, list[int]]] = []
+            for part, rs, _ in kept:
+                if picks and picks[-1][0] == part:
+                    picks[-1][1].extend(rs)
+                else:
+                    picks.append((part, list(rs)))
+            homes = self._row_homes(padded)
+            self.fleet.plane.create_partition(partition, padded, homes)
+            try:
+                self.fleet.assemble(partition, picks, list(rf.carried), padded - n_kept, pad_start)
+            except BaseException:
+                self.fleet.plane.clear(partition)
+                raise
+        finally:
+            for part in made:
+                self.fleet.plane.clear(part)
+        # the summaries of every generated sample, where they are written before the filter (the
+        # trained ones are the filter's choice: their score says little about the policy's accuracy)
+        gen_means = {f"generated/{name}/mean": sum(vals.values()) / len(vals)
+                     for col, name in self.plan.summaries.items()
+                     if (vals := rec.summaries.get(col)) and col in self.plan.columns
+                     and self.plan.columns[col].producer in rf.round_ops and self.plan.columns[col].producer != rf.op}
+        at = {(part, r): i for i, (part, r) in enumerate((part, r) for part, rs, _ in kept for r in rs)}
+        rec.summaries = {col: {at[key]: v for key, v in vals.items() if key in at}
+                         for col, vals in rec.summaries.items()}
+        units = self.fleet.plane.storage_nodes()
+        sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, None, slots=self._slots,
+                              gated=self.window.gated_ops(), row_nodes=None if homes is None else
+                              [units[h] for h in homes], rank_nodes=self.fleet.node_of,
+                              carried=(rf.carried, range(n_kept), rf.round_ops))
+        self.window.admit(step, sched)
+        self.reporter.step_started(step, sched.chunk_counts())
+        lv = _Live(step, step, partition, sched, is_padding, t0, bytes0, rec=rec, quiet=frozenset(rf.round_ops))
+        lv.refill = {"real": real, "dropped": reasons, "metrics": {
+            "refill/rounds": rounds, "refill/generated_groups": generated, "refill/kept_groups": len(kept),
+            "refill/exhausted": float(exhausted), **gen_means}}
+        return lv
+
+    def _exhausted(self, step: int, rounds: int, kept: int, generated: int, reasons: dict[str, int]) -> None:
+        """The rounds ran out before the kept groups filled the batch: fail, or say so once and train."""
+        rf, want = self.plan.refill, self.plan.batch.batch_size
+        what = (f"step {step}: dynamic sampling kept {kept} of the {want} groups a batch needs after {rounds} "
+                f"round(s) ({generated} groups generated; {reasons.get('zero_variance', 0)} samples dropped for "
+                f"zero variance)")
+        if rf.on_exhaust == "fail":
+            raise RefillExhausted(f"{what}. Fix: raise {rf.op}.max_rounds, lower {rf.op}.min_std, use prompts of a "
+                                  f"difficulty the policy sometimes solves, or set {rf.op}.on_exhaust=train to train "
+                                  f"on the groups kept")
+        if not getattr(self, "_said_exhausted", False):
+            self._said_exhausted = True
+            warnings.warn(f"{what}; training on the groups kept ({rf.op}.on_exhaust=train; raise {rf.op}.max_rounds "
+                          f"to fill the batch). Later steps that run out are counted in refill/exhausted", stacklevel=2)
+
+    def _row_homes(self, rows: int) -> list[int] | None:
+        """Each row's storage unit (`rlgraph.runtime.scheduler.row_homes`), or None: TransferQueue's
+        own rule (``dataplane.locality=hash``, or a plane that places rows by writer)."""
+        if self.plan.config.get("dataplane", {}).get("locality", "node") != "node":
+            return None
+        return row_homes(self.plan, rows, self.fleet.node_of, self.fleet.plane.storage_nodes())
 
     def _events(self, live: dict[float, _Live], admit_more: Any, on_done: Any) -> None:
         """The event loop: admit steps, open the cross-step gates, hand out calls, take results in,
@@ -436,19 +570,24 @@ class Runner:
         """A finished step's metrics record; clears its partition."""
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
-        self.fleet.plane.clear(lv.partition)
+        if not lv.keep:
+            self.fleet.plane.clear(lv.partition)
         sched, rec, is_padding = lv.sched, lv.rec, lv.is_padding
         real = sum(1 for p in is_padding if not p)
         summaries = {c: [v for r, v in sorted(vals.items()) if r not in sched.dropped]
                      for c, vals in rec.summaries.items()}
-        reasons: dict[str, int] = {}
+        pad = len(is_padding) - real
+        reasons: dict[str, int] = dict(lv.refill.get("dropped", {}))  # a refilled step: the rounds' drops
+        if lv.refill:
+            real = lv.refill["real"]
         for reason, _ in sched.dropped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
         m = step_metrics(lv.step, summaries=summaries, names=self.plan.summaries, op_metrics=rec.op_metrics,
-                         spans=rec.spans, wall_s=time.time() - lv.t0, real_rows=real, pad_rows=len(is_padding) - real,
+                         spans=rec.spans, wall_s=time.time() - lv.t0, real_rows=real, pad_rows=pad,
                          dropped=reasons, driver_payload_bytes=payload_bytes_in_this_process() - lv.bytes0,
                          driver_result_bytes=rec.result_bytes, schedule=self.schedule)
         m["faults/restarts"] = rec.restarts
+        m.update(lv.refill.get("metrics", {}))
         local, remote = sum(s.local_bytes for s in rec.spans), sum(s.cross_node_bytes for s in rec.spans)
         if local or remote:  # the plane knows where each row is stored (TransferQueue)
             m["dataplane/local_bytes"] = local
@@ -471,7 +610,7 @@ class Runner:
         batch_inputs = {c: lv.rec.batch_values[c] for c in op.inputs if c in lv.rec.batch_values}
         fault = self._take_fault(call.chunk.op, lv.step, call.chunk.index, call.rank) if lv.training else None
         ref = self.fleet.submit(call, lv.step, lv.partition, lv.sched.uids, lv.sched.tags(op.name, call.rows),
-                                batch_inputs, fault)
+                                batch_inputs, fault, lv.salt)
         inflight[ref] = (lv.key, call)
 
     def _finish(self, call: Call, result: Any, lv: _Live) -> None:
@@ -482,7 +621,7 @@ class Runner:
         self._take_summaries(result.summaries, rec)
         for row, (reason, whole_group) in result.dropped.items():
             sched.drop(row, reason, call.chunk.op, whole_group)
-        if result.metrics:
+        if result.metrics and call.chunk.op not in lv.quiet:
             rec.op_metrics.setdefault(call.chunk.op, []).append(result.metrics)
         rec.batch_values.update(result.batch_values)
         if sched.call_done(call) and lv.training:

@@ -28,6 +28,13 @@ several ranks is a worker pool); a barrier chunk waits for every rank of its gro
 into contiguous shards. ``sync`` additionally holds an op until every op of earlier stages has
 finished (a barrier after each stage, like the classic single-controller trainer).
 
+**Locality.** On a cluster whose data plane gives rows a home (TransferQueue, one storage unit
+per node), `row_homes` lays a step's rows out on the nodes of the *home group*, the group whose
+ops read and write the most column bytes: rank k's contiguous share of the rows (the share a
+barrier hands it) is stored on a unit on rank k's node. Dispatch then prefers, among a group's
+idle ranks, one on the node that stores most of the chunk's rows; it never waits for one, so
+locality costs no idle time, and which rank runs a chunk never changes its result.
+
 **Repairs.** `repair_for` decides how a failed call is mended: run it again, restart its group
 and run again what the group had in flight, or restore every worker from a checkpoint.
 """
@@ -38,11 +45,14 @@ import bisect
 import enum
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from rlgraph.graph.plan import OpPlan, Plan
 
-__all__ = ["Chunk", "Call", "Repair", "Slots", "StepScheduler", "make_chunks", "repair_for"]
+__all__ = ["Chunk", "Call", "Repair", "Slots", "StepScheduler", "home_group", "make_chunks", "repair_for",
+           "row_homes"]
+
+RAGGED_WEIGHT = 32  # a column with a ragged (per-token) dimension counts as this many scalars
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,63 @@ def make_chunks(op: OpPlan, uids: Sequence[int]) -> list[Chunk]:
         bounds = list(range(0, units, size)) + [units]
     spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]  # fewer units than ranks: no empty chunks
     return [Chunk(op.name, k, tuple(range(starts[a], starts[b]))) for k, (a, b) in enumerate(spans)]
+
+
+def home_group(plan: Plan) -> str:
+    """The group whose ops read and write the most column bytes per sample (estimated from the
+    columns' shapes: a ragged per-token column weighs `RAGGED_WEIGHT` scalars); the first in plan
+    order on a tie. Its workers are where a step's rows are best stored."""
+    def weight(col: str) -> int:
+        c = plan.columns.get(col)
+        if c is None or c.level != "sample":
+            return 0
+        w = 1
+        for d in c.shape:
+            w *= RAGGED_WEIGHT if isinstance(d, str) else max(int(d), 1)
+        return w
+
+    totals: dict[str, int] = {}
+    for g in plan.groups:
+        totals[g.name] = sum(weight(c) for name in g.ops for c in (*plan.op(name).inputs, *plan.op(name).outputs))
+    return max(plan.groups, key=lambda g: totals[g.name]).name
+
+
+def row_homes(plan: Plan, num_rows: int, rank_nodes: Mapping[tuple[str, int], str],
+              unit_nodes: Sequence[str]) -> list[int] | None:
+    """The storage unit of each of a step's `num_rows` rows: rank k of the home group gets rows
+    ``k*n//dp`` to ``(k+1)*n//dp`` (its barrier shard), stored on a unit of rank k's node
+    (round-robin over that node's units), or on unit ``k % units`` when its node has none.
+    None when the plane has no units or a rank's node is unknown."""
+    if not unit_nodes:
+        return None
+    group = home_group(plan)
+    dp = plan.group(group).dp
+    on_node: dict[str, list[int]] = {}
+    for u, node in enumerate(unit_nodes):
+        on_node.setdefault(node, []).append(u)
+    homes = [0] * num_rows
+    seen: dict[str, int] = {}
+    for k in range(dp):
+        node = rank_nodes.get((group, k))
+        if node is None:
+            return None
+        units = on_node.get(node)
+        if units:
+            unit = units[seen.get(node, 0) % len(units)]
+            seen[node] = seen.get(node, 0) + 1
+        else:
+            unit = k % len(unit_nodes)
+        for r in range(k * num_rows // dp, (k + 1) * num_rows // dp):
+            homes[r] = unit
+    return homes
+
+
+def _without(chunks: list[Chunk], rows: set[int]) -> list[Chunk]:
+    """`chunks` less `rows`, empty ones left out, renumbered."""
+    if not rows:
+        return chunks
+    kept = [tuple(r for r in c.rows if r not in rows) for c in chunks]
+    return [Chunk(chunks[0].op, k, rs) for k, rs in enumerate(r for r in kept if r)]
 
 
 class Repair(enum.Enum):
@@ -157,12 +224,16 @@ class StepScheduler:
     step to those ops (validation), the others are skipped like ops gated by a warm-up. `slots`:
     the bundles shared with the other steps in flight (default: this step's own). `gated`: ops
     whose chunks are held, ready or not, until `open` is called for them (their cross-step
-    conditions, `rlgraph.runtime.window`, are not met yet).
+    conditions, `rlgraph.runtime.window`, are not met yet). `row_nodes` (the node storing each
+    row) and `rank_nodes` (the node of each (group, rank), read at dispatch, so a restarted
+    worker's new node counts): dispatch prefers idle ranks near a chunk's rows.
     """
 
     def __init__(self, plan: Plan, uids: Sequence[int], is_padding: Sequence[bool], step: int,
                  schedule: str = "stream", ops: set[str] | None = None, slots: Slots | None = None,
-                 gated: set[str] | frozenset[str] = frozenset()) -> None:
+                 gated: set[str] | frozenset[str] = frozenset(), row_nodes: Sequence[str] | None = None,
+                 rank_nodes: Mapping[tuple[str, int], str] | None = None,
+                 carried: tuple[Sequence[str], Sequence[int], Sequence[str]] | None = None) -> None:
         if schedule not in ("stream", "sync"):
             raise ValueError(f"schedule must be 'stream' or 'sync', got {schedule!r}")
         self.plan = plan
@@ -171,27 +242,50 @@ class StepScheduler:
         self.uids = list(uids)
         self.is_padding = [bool(p) for p in is_padding]
         self.num_rows = n = len(self.uids)
+        self._row_nodes = list(row_nodes) if row_nodes is not None and rank_nodes is not None else None
+        self._rank_nodes = rank_nodes if rank_nodes is not None else {}
+        self._home: dict[tuple[str, int], str] = {}  # (op, chunk index) -> the node storing most of its rows
         self.dropped: dict[int, tuple[str, str]] = {}  # row -> (reason, op that dropped it)
         groups = {g.name: g for g in plan.groups}
         self._dp = {g.name: g.dp for g in plan.groups}
         self._pool = {g.name: g.pool for g in plan.groups}
+        # a refilled batch (dynamic sampling): `carried` = (columns, rows, ops): the rows brought from
+        # the rounds hold those columns already; the ops (the rounds' ops) run on the other rows only
+        carried_cols, carried_rows, round_ops = carried or ((), (), ())
+        elsewhere = set(carried_rows)
         self.ops: dict[str, _Op] = {}
         for k, op in enumerate(plan.ops):
             skipped = step < op.skip_before_step or (ops is not None and op.name not in ops)
-            self.ops[op.name] = _Op(op, k, make_chunks(op, self.uids), n, groups[op.group].pool, skipped)
+            chunks = make_chunks(op, self.uids)
+            if op.name in round_ops:
+                chunks = _without(chunks, elsewhere)
+            self.ops[op.name] = _Op(op, k, chunks, n, groups[op.group].pool, skipped)
         # column -> the ops (not skipped) that read it; each of their chunks counts its missing cells
         self._readers: dict[str, list[_Op]] = {}
         source = set(plan.source_columns)
         for st in self.ops.values():
-            if st.skipped:
-                continue
-            waits = [c for c in st.plan.inputs if c not in source]
-            for c in waits:
-                self._readers.setdefault(c, []).append(st)
-            for ch in st.chunks:
-                st.missing[ch.index] = len(waits) * len(ch.rows)
+            if not st.skipped:
+                for c in st.plan.inputs:
+                    if c not in source:
+                        self._readers.setdefault(c, []).append(st)
         self._have = {c: bytearray(n) for c in self._readers}  # column -> row -> ready?
         self._have_count = dict.fromkeys(self._readers, 0)
+        present = [(c, carried_rows) for c in carried_cols]
+        # an op left with no rows (a round's op when the batch has no padding rows) is done: its
+        # batch-level outputs are there for whoever reads them
+        present += [(c, range(n)) for st in self.ops.values() if not st.skipped and not st.chunks
+                    for c in st.plan.outputs if plan.columns[c].level == "batch"]
+        for c, rows in present:
+            if c in self._have:
+                for r in rows:
+                    self._have[c][r] = 1
+                self._have_count[c] = sum(self._have[c])
+        for st in self.ops.values():
+            if not st.skipped:
+                waits = [c for c in st.plan.inputs if c not in source]
+                for ch in st.chunks:
+                    st.missing[ch.index] = (sum(1 for c in waits for r in ch.rows if not self._have[c][r]) if present
+                                            else len(waits) * len(ch.rows))
         # dispatch state: busy bundles, rows handed to each rank, ops with ready chunks per pool
         self.slots = slots or Slots(plan)
         self._gated = {name for name in gated if not self.ops[name].skipped}
@@ -271,7 +365,9 @@ class StepScheduler:
                 parts = [(r, chunk.rows[r * n // dp:(r + 1) * n // dp]) for r in range(dp)]
             else:
                 chunk = st.chunks[heapq.heappop(st.ready)]
-                parts = [(min(free, key=lambda r: (self._sent[(group, r)], r)), chunk.rows)]
+                home = self._chunk_home(chunk)
+                parts = [(min(free, key=lambda r: (home is not None and self._rank_nodes.get((group, r)) != home,
+                                                   self._sent[(group, r)], r)), chunk.rows)]
             st.parts_left[chunk.index] = len(parts)
             st.started += 1
             for rank, rows in parts:
@@ -280,6 +376,18 @@ class StepScheduler:
                 self._sent[(group, rank)] += len(rows)
                 calls.append(Call(chunk, group, rank, rows))
         return calls
+
+    def _chunk_home(self, chunk: Chunk) -> str | None:
+        """The node storing most of `chunk`'s rows (the first such node on a tie); None without locality."""
+        if self._row_nodes is None:
+            return None
+        key = (chunk.op, chunk.index)
+        if key not in self._home:
+            counts: dict[str, int] = {}
+            for r in chunk.rows:
+                counts[self._row_nodes[r]] = counts.get(self._row_nodes[r], 0) + 1
+            self._home[key] = max(counts, key=counts.__getitem__) if counts else None
+        return self._home[key]
 
     # ------------------------------------------------------------------ events
     def rows_done(self, op: str, rows: Sequence[int]) -> None:

@@ -118,6 +118,26 @@ class SourceWorker:
         self.client.put(partition, list(range(rows.num_rows)), stored)
         return rows.uids, rows.is_padding
 
+    def assemble(self, partition: str, picks: list[tuple[str, list[int]]], columns: list[str], padding: int,
+                 pad_uid_start: int) -> None:
+        """Write a batch refilled by dynamic sampling into `partition`: first the rows `picks` names,
+        ``(round partition, rows)`` in order, with the `columns` they carry; then `padding` padding
+        rows with this source's columns, as any step's padding (the rounds' ops then run on them)."""
+        values: dict[str, list[Any]] = {c: [] for c in columns}
+        for part, rows in picks:
+            got = self.client.get(part, rows, columns)
+            for c in columns:
+                v = got[c]
+                values[c] += list(v.unbind(0)) if isinstance(v, torch.Tensor) else list(v)
+        kept = sum(len(rows) for _, rows in picks)
+        if kept and columns:
+            self.client.put(partition, list(range(kept)), values)
+        if padding:
+            empty = {c: [] for c in self.columns if c not in ("uid", "is_padding")}
+            pad = expand_and_pad(empty, self.columns, self.plan.batch.n, padding, pad_uid_start)
+            stored = {c: v for c, v in pad.columns.items() if self.plan.columns[c].stored}
+            self.client.put(partition, list(range(kept, kept + padding)), stored)
+
     def state_dict(self) -> dict:
         fn = getattr(self.source, "state_dict", None)
         return fn() if callable(fn) else {}

@@ -95,7 +95,7 @@ class GroupWorker:
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                   uids: Sequence[int], is_padding: Sequence[bool],
-                  batch_inputs: dict[str, Any] | None = None, fault: str | None = None) -> CallResult:
+                  batch_inputs: dict[str, Any] | None = None, fault: str | None = None, salt: int = 0) -> CallResult:
         """Run `op_name` on `rows`. `fault` is the runner's fault-injection hook (tests): ``raise``
         makes the call fail before the body runs; ``kill`` / ``kill_after`` end this actor's
         process before the body runs / after the outputs are written."""
@@ -103,7 +103,7 @@ class GroupWorker:
         moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk, fault)
-            out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+            out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         self._put(partition, rows, out)
         if fault == "kill_after":
             os._exit(17)
@@ -120,15 +120,15 @@ class GroupWorker:
 
     def run_chunk_stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                          uids: Sequence[int], is_padding: Sequence[bool],
-                         batch_inputs: dict[str, Any] | None = None, fault: str | None = None
-                         ) -> Iterator[PartResult | CallResult]:
+                         batch_inputs: dict[str, Any] | None = None, fault: str | None = None,
+                         salt: int = 0) -> Iterator[PartResult | CallResult]:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult`."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk, fault)
-            parts = self.invoker.stream(op, step, chunk, rows, is_padding, inputs, batch_inputs)
+            parts = self.invoker.stream(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         handed: list[tuple[float, int]] = []
         while True:
             with self._failures(op_name, step, chunk, rows, uids):

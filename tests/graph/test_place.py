@@ -73,8 +73,9 @@ def test_data_plane_cpus_are_reserved(ppo, overrides, cpus) -> None:
 
 
 def test_data_plane_reservation_is_taken_from_node_0_first(ppo) -> None:
-    two_small = ["cluster.num_nodes=2", "cluster.cpus_per_node=3"]
-    # node 0 keeps 3 - 2 = 1 CPU after the data plane; bundles largest first, then by pool name:
+    two_small = ["cluster.num_nodes=2", "cluster.cpus_per_node=3",
+                 "dataplane.storage_units=1"]
+    # node 0 keeps 3 - 2 = 1 CPU after the data plane (controller and the one unit); bundles largest first, then by pool name:
     # actor 1 -> node 0 (0 left); critic 1 -> node 1 (2 left); reward 1 -> node 1 (1 left);
     # advantage 0.5 -> node 1 (0.5 left)
     assert _nodes(compile_pipeline(ppo, two_small)) == {"actor": [0], "critic": [1], "reward": [1],
@@ -82,6 +83,15 @@ def test_data_plane_reservation_is_taken_from_node_0_first(ppo) -> None:
     # without the reservation node 0 takes actor, critic and reward (3 CPUs); advantage goes to node 1
     assert _nodes(compile_pipeline(ppo, [*two_small, "dataplane.backend=ray"])) == {
         "actor": [0], "critic": [0], "reward": [0], "advantage": [1]}
+
+
+def test_one_storage_unit_per_node_by_default(ppo) -> None:
+    assert compile_pipeline(ppo, []).config["dataplane"]["storage_units"] == 1
+    plan = compile_pipeline(ppo, ["cluster.num_nodes=3", "cluster.cpus_per_node=4"])
+    assert plan.config["dataplane"]["storage_units"] == 3
+    assert plan.cluster.dataplane_cpus == 4  # the controller and three units
+    assert compile_pipeline(ppo, ["cluster.num_nodes=3", "dataplane.storage_units=2"]).config[
+        "dataplane"]["storage_units"] == 2
 
 
 def test_multi_node_packing_first_fit_largest_first(ppo) -> None:

@@ -98,37 +98,59 @@ def test_gspo_loss_mode_trains_the_grpo_example(model_dir, tq_plane, tmp_path):
     assert any(not torch.equal(v, before[k]) for k, v in state["model"].items() if k in before)
 
 
-def test_dapo_reward_shaping_and_filter_between_the_reward_and_the_advantage(model_dir, tq_plane, tmp_path):
-    """DAPO's reward side in the GRPO example: the rule reward writes rule_scores, the overlong
-    penalty adds the soft overlong punishment (shaped_scores), and dynamic sampling's filter drops
-    the groups whose rule score did not vary, passing the shaped score on as token_level_scores.
-    The dropped groups are counted by reason, are padding for the advantage and the update, and
-    leave the score summary (which covers the trained samples only)."""
-    import dataclasses
-
-    from rlgraph.ops import stages
-
-    pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
-    ops = []
-    for op in pipeline.ops:
-        ops += ([stages.reward(group="reward", score_column="rule_scores"),
-                 stages.overlong_penalty("rule_scores", output_column="shaped_scores"),
-                 stages.filter_groups("shaped_scores", metric_column="rule_scores")] if op.name == "reward" else [op])
+def _dapo(model_dir, *extra):
+    pipeline, ref = load_pipeline(str(ROOT / "examples" / "dapo.py"))
     # responses of at most 4 tokens (rollout.max_new_tokens), a buffer of 3: 2 tokens -> -1/3 ...
-    plan = rlgraph.compile(dataclasses.replace(pipeline, ops=ops),
-                           [f"actor.model_path={model_dir}", "data.batch_size=8", "rollout.n=4",
-                            "actor.mini_batch_size=2", "data.num_rows=64", "overlong.buffer_len=3"], pipeline_ref=ref)
-    records = run_plan(plan, RunOptions(out_dir=tmp_path, steps=2, timeout_s=300), plane=tq_plane)
-    dropped_any = False
-    for rec in records:
+    return rlgraph.compile(pipeline, [f"actor.model_path={model_dir}", "data.batch_size=8", "rollout.n=4",
+                                      "actor.mini_batch_size=2", "data.num_rows=64", "overlong.buffer_len=3",
+                                      "overlong.penalty_factor=1.0", *extra], pipeline_ref=ref)
+
+
+def test_dapo_refills_its_batch_with_kept_groups_and_schedules_agree(model_dir, tq_plane, tmp_path):
+    """examples/dapo.py: the rule reward, the overlong penalty (shaped_scores) and dynamic
+    sampling's filter on the rule score, then rounds of fresh prompts until 8 groups are kept. The
+    batch holds exactly the first 8 kept groups (no padding: 32 rows is the multiple); every
+    sample of every round is accounted for; stream and sync give identical steps."""
+    plan = _dapo(model_dir)
+    stream = run_plan(plan, RunOptions(out_dir=tmp_path / "stream", steps=2, timeout_s=300), plane=tq_plane)
+    sync = run_plan(plan, RunOptions(out_dir=tmp_path / "sync", steps=2, schedule="sync", timeout_s=300),
+                    plane=tq_plane)
+    assert _stable(stream) == _stable(sync)
+    refilled = False
+    for rec in stream:
         assert rec["overlong/overlong_metrics/penalty_mean"] < 0  # some responses ran into the buffer
-        assert 0 < rec["overlong/overlong_metrics/penalised_frac"] <= 1
+        rounds = rec["refill/rounds"]
+        assert 1 <= rounds <= 3 and rec["refill/exhausted"] == 0 and rec["refill/kept_groups"] == 8
         groups = rec["filter_groups/filter_groups_metrics/groups_count"]
         dropped = rec["filter_groups/filter_groups_metrics/dropped_groups_count"]
-        assert groups == 8 and rec["filter_groups/filter_groups_metrics/kept_groups_count"] == groups - dropped
-        assert rec.get("samples/dropped/zero_variance", 0) == 4 * dropped == rec["samples/dropped"]
-        assert rec["samples/trained"] == 32 - 4 * dropped and rec["samples/real"] == 32
-        if dropped < groups:
-            assert math.isfinite(rec["update_actor/actor_metrics/loss"])
-        dropped_any |= dropped > 0
-    assert dropped_any  # the warm-started model answers some prompts always (or never) right
+        assert groups == 8 * rounds == rec["refill/generated_groups"]
+        assert rec["filter_groups/filter_groups_metrics/kept_groups_count"] == groups - dropped
+        assert rec["samples/real"] == 32 * rounds and rec["samples/trained"] == 32 and rec["samples/padding"] == 0
+        assert rec.get("samples/dropped/zero_variance", 0) == 4 * dropped
+        assert rec.get("samples/dropped/surplus", 0) == 4 * (groups - dropped - 8)
+        assert rec["samples/real"] == rec["samples/trained"] + rec["samples/dropped"]
+        assert rec["update_actor/actor_metrics/optimizer_steps"] == 4  # 32 samples / (2 prompts x 4)
+        assert math.isfinite(rec["update_actor/actor_metrics/loss"]) and rec["driver/payload_bytes"] == 0
+        assert 0 <= rec["generated/acc/mean"] <= 1 and 0 < rec["acc/mean"] < 1  # trained groups are mixed
+        refilled |= rounds > 1
+    assert refilled  # the warm-started model answers some prompts always (or never) right: a round is not enough
+
+
+def test_dapo_when_the_rounds_run_out(model_dir, tq_plane, tmp_path):
+    """No group can be kept (min_std above any std of 0/1 scores): with on_exhaust=train the step
+    trains on nothing (a batch of padding, the update's loss finite), with fail it stops with
+    RefillExhausted naming the step, the counts and the fixes."""
+    from rlgraph.errors import RefillExhausted
+
+    never = ["filter_groups.min_std=10", "filter_groups.max_rounds=2"]
+    plan = _dapo(model_dir, *never)
+    with pytest.warns(UserWarning, match="dynamic sampling kept 0 of the 8 groups"):
+        (rec,) = run_plan(plan, RunOptions(out_dir=tmp_path / "train", steps=1, timeout_s=300), plane=tq_plane)
+    assert rec["refill/exhausted"] == 1 and rec["refill/rounds"] == 2 and rec["refill/kept_groups"] == 0
+    assert rec["samples/real"] == 64 and rec["samples/dropped/zero_variance"] == 64 and rec["samples/trained"] == 0
+    assert rec["samples/padding"] == plan.batch.multiple == 8  # every op ran on padding rows only
+    assert math.isfinite(rec["update_actor/actor_metrics/loss"])
+    with pytest.raises(RefillExhausted, match=r"step 0: dynamic sampling kept 0 of the 8 groups a batch needs after "
+                       r"2 round\(s\).*raise filter_groups.max_rounds"):
+        run_plan(_dapo(model_dir, *never, "filter_groups.on_exhaust=fail"),
+                 RunOptions(out_dir=tmp_path / "fail", steps=1, timeout_s=300), plane=tq_plane)

@@ -195,6 +195,40 @@ def test_put_in_one_actor_get_in_another_without_the_driver(plane, workers):
     plane.clear(p)
 
 
+def _unit_keys(plane) -> list[int]:
+    """Rows held by each TransferQueue storage unit, in unit order (the units' own counters)."""
+    manager = plane._manager
+    return [plane._run(manager._probe_storage_unit(target_storage_unit=uid), "probe")["active_keys"]
+            for uid in manager.unit_ids]
+
+
+@pytest.mark.ray
+def test_tq_rows_are_stored_on_their_home_unit_by_every_client(tq_plane, workers):
+    producer, consumer = workers
+    p = _part()
+    before = _unit_keys(tq_plane)
+    homes = [1, 1, 0, 1, 1, 0]  # TransferQueue's own rule would put half of them on each unit
+    tq_plane.create_partition(p, 6, homes=homes)
+    x = torch.arange(12.0).view(6, 2)
+    ray.get(producer.put.remote(tq_plane.handle(), p, list(range(6)), {"x": x, "t": list("abcdef")}))
+    after = _unit_keys(tq_plane)
+    assert [a - b for a, b in zip(after, before)] == [2, 4]
+    # another process reads them (routing by the homes it finds in the rows' metadata), in any order
+    out = ray.get(consumer.get.remote(tq_plane.handle(), p, (5, 0, 3), ["x", "t"]))
+    assert _same(out["x"], x[[5, 0, 3]]) and out["t"] == ["f", "a", "d"]
+    tq_plane.clear(p)  # the clear goes to the same units: nothing is left behind
+    assert _unit_keys(tq_plane) == before
+    # a partition without homes keeps TransferQueue's rule (global index modulo units)
+    tq_plane.create_partition(p, 4)
+    tq_plane.put(p, [0, 1, 2, 3], {"x": torch.zeros(4)})
+    assert sum(_unit_keys(tq_plane)) - sum(before) == 4
+    tq_plane.clear(p)
+    with pytest.raises(DataPlaneError, match="homes \\[2\\] are not storage units"):
+        tq_plane.create_partition(p, 2, homes=[0, 2])
+    with pytest.raises(DataPlaneError, match="3 homes for 2 rows"):
+        tq_plane.create_partition(p, 2, homes=[0, 1, 1])
+
+
 def _scenario(plane, p):
     """Puts in several shapes and orders, then gets of several row subsets; returns everything read."""
     plane.create_partition(p, 8)

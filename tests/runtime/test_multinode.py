@@ -73,7 +73,7 @@ def _stable(records: list[dict]) -> list[dict]:
 
 def test_three_nodes_give_the_metrics_of_one(three_nodes, tmp_path):
     many = _start(tmp_path / "many", "--address", three_nodes.address, *SPREAD,
-                  "groups.reward.placement=strict_spread", "dataplane.storage_units=3")  # one unit per node
+                  "groups.reward.placement=strict_spread")  # and one storage unit per node (the default)
     text, _ = many.communicate(timeout=600)
     assert many.returncode == 0, text
     placement = json.loads((tmp_path / "many" / "placement.json").read_text())
@@ -87,12 +87,14 @@ def test_three_nodes_give_the_metrics_of_one(three_nodes, tmp_path):
     assert one.returncode == 0, text
     assert len(json.loads((tmp_path / "one" / "placement.json").read_text())["nodes"]) == 1
     assert _stable(_records(tmp_path / "many")) == _stable(_records(tmp_path / "one"))
-    # the same column bytes moved; on one node all of them stay there, on three most cross nodes
-    # (TransferQueue stores row g on unit g % 3, so about 2/3 of a worker's rows are elsewhere)
+    # the same column bytes moved; on one node all of them stay there. On three, rows are stored on
+    # the actor's node (the home group's) and calls go to workers near their rows, so only what a
+    # reward worker on another node reads crosses (TransferQueue's own rule, row g on unit g % 3,
+    # sent about 2/3 of the bytes across: benchmarks/locality.py measures both)
     for m, o in zip(_records(tmp_path / "many"), _records(tmp_path / "one")):
         assert o["dataplane/cross_node_bytes"] == 0 and o["dataplane/local_bytes"] > 0
         assert m["dataplane/local_bytes"] + m["dataplane/cross_node_bytes"] == o["dataplane/local_bytes"]
-        assert 0.3 < m["dataplane/cross_node_frac"] < 0.95, m["dataplane/cross_node_frac"]
+        assert m["dataplane/cross_node_frac"] < 0.2, m["dataplane/cross_node_frac"]
     print("cross-node fraction per step on 3 nodes:",
           [round(m["dataplane/cross_node_frac"], 3) for m in _records(tmp_path / "many")])
 

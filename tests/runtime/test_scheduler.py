@@ -4,7 +4,7 @@ import pytest
 
 from rlgraph import compile
 from rlgraph.graph.loader import load_pipeline
-from rlgraph.runtime.scheduler import Repair, StepScheduler, make_chunks, repair_for
+from rlgraph.runtime.scheduler import Repair, StepScheduler, home_group, make_chunks, repair_for, row_homes
 
 
 def _plan(example, *overrides):
@@ -129,6 +129,75 @@ def test_dispatch_prefers_the_least_loaded_idle_rank_and_shards_barriers():
     rows = plan.batch.padded_batch
     assert [(c.rank, c.rows) for c in shards] == [(0, tuple(range(rows // 2))), (1, tuple(range(rows // 2, rows)))]
     assert sched.finished
+
+
+def test_rows_are_stored_on_the_nodes_of_the_home_groups_ranks():
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "groups.reward.dp=3", "cluster.cpus_per_node=16",
+                 "reward.micro_batch_size=2", "groups.actor.dp=2")
+    # the actor group (generate, old log-probs, update: every per-token column) outweighs the others
+    assert home_group(plan) == "actor"
+    nodes = {("actor", 0): "A", ("actor", 1): "B", ("reward", 0): "C", ("reward", 1): "B", ("reward", 2): "A"}
+    # units 0 and 2 on node A, unit 1 on B, unit 3 on C: rank 0's half on A (its first unit), rank 1's on B
+    assert row_homes(plan, 24, nodes, ["A", "B", "A", "C"]) == [0] * 12 + [1] * 12
+    # two ranks on one node take turns over its units; a node without a unit falls back to k % units
+    same = {**nodes, ("actor", 1): "A"}
+    assert row_homes(plan, 8, same, ["A", "B", "A"]) == [0] * 4 + [2] * 4
+    assert row_homes(plan, 8, {**nodes, ("actor", 0): "D"}, ["A", "B"]) == [0] * 4 + [1] * 4
+    assert row_homes(plan, 8, {("actor", 0): "A"}, ["A"]) is None  # a rank's node unknown
+    assert row_homes(plan, 8, nodes, []) is None  # no units (the Ray store)
+
+
+def test_dispatch_prefers_idle_ranks_on_the_node_of_the_chunks_rows():
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "groups.reward.dp=3", "cluster.cpus_per_node=16",
+                 "reward.micro_batch_size=2", "groups.actor.dp=2")
+    nodes = {("actor", 0): "A", ("actor", 1): "B", ("reward", 0): "C", ("reward", 1): "B", ("reward", 2): "A"}
+    homes = row_homes(plan, 24, nodes, ["A", "B"])
+    sched = _sched(plan, 4, 2, row_nodes=[["A", "B"][h] for h in homes], rank_nodes=nodes)
+    gens = sched.next_calls()
+    assert [(c.rank, c.rows[0]) for c in gens] == [(0, 0), (1, 14)]
+    sched.rows_done("generate", (0, 1, 16, 17))
+    # rows 0-1 live on A: reward rank 2 (on A), not rank 0 (fewest rows, but on C); rows 16-17 on B: rank 1
+    calls = {c.rows: c for c in sched.next_calls()}
+    assert {rows: c.rank for rows, c in calls.items()} == {(0, 1): 2, (16, 17): 1}
+    sched.rows_done("generate", (2, 3))
+    # no idle rank on A: the call goes out anyway (locality never idles a worker), to the least loaded
+    (far,) = sched.next_calls()
+    assert (far.rows, far.rank) == ((2, 3), 0)
+    # the node map is read at dispatch: a rank restarted on another node counts from then on
+    sched.call_done(far)
+    sched.call_done(calls[(16, 17)])
+    nodes[("reward", 1)] = "A"  # ranks 0 (on C) and 1 (now on A) idle, 2 rows handed to each
+    sched.rows_done("generate", (4, 5))
+    (moved,) = sched.next_calls()
+    assert (moved.rows, moved.rank) == ((4, 5), 1)
+
+
+def test_a_refilled_batch_runs_the_rounds_ops_on_its_padding_rows_only():
+    plan = _plan("grpo", "data.batch_size=3", "rollout.n=4", "actor.mini_batch_size=2",
+                 "rollout.micro_batch_size=2", "reward.micro_batch_size=5")
+    # 8 rows copied in from the rounds (2 groups, with generate's and reward's columns), 8 padding rows
+    uids, padding = [7] * 4 + [9] * 4 + list(range(100, 108)), [False] * 8 + [True] * 8
+    carried = (["responses", "response_mask", "prompts", "token_level_scores", "input_ids", "attention_mask",
+                "position_ids", "rollout_log_probs", "policy_version", "policy_version_end"], range(8),
+               ["generate", "reward"])
+    sched = StepScheduler(plan, uids, padding, 0, carried=carried)
+    assert [c.rows for c in sched.ops["generate"].chunks] == [tuple(range(8, 16))]
+    assert all(r >= 8 for c in sched.ops["reward"].chunks for r in c.rows)
+    first = sched.next_calls()
+    # the copied rows are ready at once: old_logprob (actor, after generate in plan order) and the
+    # advantage of their groups start beside the padding rows' generation
+    assert {(c.chunk.op, c.rows) for c in first} >= {("generate", tuple(range(8, 16))), ("advantage", (0, 1, 2, 3))}
+    for c in first:
+        sched.call_done(c)
+    calls = _drain(sched)
+    done = {(c.chunk.op, r) for c in [*first, *calls] for r in c.rows}
+    assert {r for op, r in done if op in ("generate", "reward")} == set(range(8, 16))
+    assert {r for op, r in done if op == "update_actor"} == set(range(16))
+    # a batch without padding rows: the rounds' ops have nothing left to run, and are done
+    full = StepScheduler(plan, [7] * 4 + [9] * 4, [False] * 8, 0,
+                         carried=(carried[0], range(8), carried[2]))
+    assert full.ops["generate"].chunks == [] and full.op_finished("generate")
+    assert {c.chunk.op for c in _drain(full)} == {"old_logprob", "ref", "advantage", "update_actor"}
 
 
 def test_colocated_groups_take_turns_on_their_pool():

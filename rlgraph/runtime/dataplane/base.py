@@ -253,9 +253,15 @@ class DataPlane(DataPlaneClient):
     """
 
     @abstractmethod
-    def create_partition(self, partition: str, num_rows: int) -> None:
+    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None) -> None:
         """Register ``partition`` with rows ``0..num_rows-1``. Puts to other rows fail.
-        Raises if the partition already exists (``clear`` it first)."""
+        Raises if the partition already exists (``clear`` it first). ``homes[r]``: the storage
+        unit (an index into `storage_nodes`) that keeps row ``r``; a plane whose storage follows
+        the writer (the Ray store) ignores it."""
+
+    def storage_nodes(self) -> tuple[str, ...]:
+        """The Ray node of each storage unit, in unit order; () when rows cannot be given a home."""
+        return ()
 
     @abstractmethod
     def clear(self, partition: str) -> None:

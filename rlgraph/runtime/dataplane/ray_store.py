@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import ray
@@ -225,7 +225,8 @@ class RayObjectStoreDataPlane(_RayStoreClient, DataPlane):
         plane._call(plane._tracker.partitions.remote(), "start")
         return plane
 
-    def create_partition(self, partition: str, num_rows: int) -> None:
+    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None) -> None:
+        # homes are ignored: each object already lives on the node of the worker that put it
         if num_rows < 1:
             raise DataPlaneError(f"partition {partition!r}: num_rows must be >= 1, got {num_rows}")
         problem = self._call(self._tracker.create_partition.remote(partition, int(num_rows)),

@@ -13,6 +13,14 @@ How our semantics map onto TransferQueue (TQ):
   and ``get`` look the global indexes of their rows up (``kv_retrieve_meta``), then call TQ's
   ``put``/``get_data`` with a minimal ``BatchMeta`` (global indexes + field names, all
   SimpleStorage needs).
+- Where a row is stored: TQ's own SimpleStorage client sends global index ``g`` to unit
+  ``g % units``, which scatters every worker's rows over every node. rlgraph's clients use
+  `_HomedStorageManager` instead (TQ's storage manager, registered under its own name with TQ's
+  ``StorageManagerFactory``), which sends a row to its *home* unit: the unit named by
+  ``create_partition(..., homes=...)``, kept in the row's custom metadata on the controller, so
+  every client (put, get, clear) routes a row the same way. The runtime picks homes on the nodes
+  of the workers that handle the rows (`rlgraph.runtime.scheduler.row_homes`). Rows without a
+  home keep TQ's ``g % units``.
 - TQ returns jagged nested tensors for every non-scalar field, which we turn back into dense
   tensors or per-row lists (`assemble_rows`).
 - TQ's own readiness tracking (``get_meta`` per task) is not used: the runtime's scheduler knows
@@ -36,7 +44,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 # TQ reads TQ_NUM_THREADS at import; its default (8) exceeds small machines' cores and makes
 # every put/get log a warning. An explicit setting by the user wins.
@@ -49,6 +57,11 @@ import transfer_queue as tq  # noqa: E402
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 from transfer_queue import BatchMeta  # noqa: E402
 from transfer_queue.client import AsyncTransferQueueClient  # noqa: E402
+from transfer_queue.storage.managers.base import StorageManagerFactory  # noqa: E402
+from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E402
+    AsyncSimpleStorageManager,
+    RoutingGroup,
+)
 
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
@@ -78,6 +91,7 @@ CONTROLLER_NAME = "TransferQueueController"  # fixed by tq.init
 CONTROLLER_NAMESPACE = "transfer_queue"
 STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"  # fixed by TQ's SimpleStorage bootstrap
 CPUS_PER_TQ_ACTOR = 1  # @ray.remote(num_cpus=1) on TQ's controller and SimpleStorageUnit
+HOMED_MANAGER = "RLGraphHomedSimpleStorage"  # our storage manager's name in TQ's factory
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,67 @@ def check_tq_resources(num_storage_units: int) -> None:
     problems = tq_resource_problems(num_storage_units, float(ray.available_resources().get("CPU", 0)), nodes)
     if problems:
         raise DataPlaneError("cannot start TransferQueue:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# --------------------------------------------------------------------------- routing
+@StorageManagerFactory.register(HOMED_MANAGER)
+class _HomedStorageManager(AsyncSimpleStorageManager):
+    """TQ's SimpleStorage manager, routing each row to its home unit instead of ``g % units``.
+
+    A row's home (a unit rank: ``TransferQueueStorageUnit#<rank>``) is written by the driver into
+    the row's custom metadata when it creates the partition; every put, get and clear carries
+    that metadata, and the manager learns ``global index -> home`` from it before routing. A
+    global index is unique among live rows and gets its new home before its first use after a
+    reuse, so the table is always right for the batch at hand. Rows with no home keep TQ's rule.
+    """
+
+    def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None) -> None:
+        super().__init__(controller_info, config, zmq_context=zmq_context)
+        infos = config.get("zmq_info", None) or {}
+        by_name = {str(name): info.id for name, info in infos.items()} if hasattr(infos, "items") else {}
+        ranked = [by_name.get(STORAGE_UNIT_NAME.format(i)) for i in range(len(self.storage_unit_infos))]
+        # unit rank -> its storage id (TQ's bootstrap names units by rank; fall back to its order)
+        self.unit_ids: list[str] = ranked if all(ranked) else list(self.storage_unit_infos)
+        self._home: dict[int, int] = {}
+
+    def learn(self, global_indexes: list[int], custom_meta: list[dict[str, Any]]) -> None:
+        """Remember the home unit of each row whose custom metadata names one."""
+        for g, m in zip(global_indexes, custom_meta):
+            unit = m.get("unit") if m else None
+            if unit is None:
+                self._home.pop(g, None)
+            else:
+                self._home[g] = int(unit)
+
+    def unit_of(self, global_index: int) -> int:
+        """The rank of the unit that stores `global_index`."""
+        return self._home.get(global_index, global_index % len(self.unit_ids))
+
+    def _learn(self, metadata: BatchMeta) -> None:
+        custom = list(getattr(metadata, "custom_meta", None) or [])
+        if len(custom) == len(metadata.global_indexes):
+            self.learn(list(metadata.global_indexes), custom)
+
+    async def put_data(self, data: TensorDict, metadata: BatchMeta, data_parser: Any = None) -> None:
+        self._learn(metadata)
+        await super().put_data(data, metadata, data_parser)
+
+    async def get_data(self, metadata: BatchMeta) -> TensorDict:
+        self._learn(metadata)
+        return await super().get_data(metadata)
+
+    async def clear_data(self, metadata: BatchMeta) -> None:
+        self._learn(metadata)
+        await super().clear_data(metadata)
+
+    def _group_by_hash(self, global_indexes: list[int]) -> dict[str, RoutingGroup]:
+        gis: dict[str, list[int]] = {}
+        pos: dict[str, list[int]] = {}
+        for p, g in enumerate(global_indexes):
+            key = self.unit_ids[self.unit_of(g)]
+            gis.setdefault(key, []).append(g)
+            pos.setdefault(key, []).append(p)
+        return {key: RoutingGroup(gis[key], pos[key]) for key in gis}
 
 
 # --------------------------------------------------------------------------- client
@@ -219,8 +294,8 @@ class _TQClient(DataPlaneClient):
 
     def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = ()) -> None:
         self._timeout = op_timeout_s
-        # the node of each storage unit (TQ stores global index g on unit g % units) and ours: for
-        # the bytes that stay on this node and those that cross to another
+        # the node of each storage unit (by rank) and ours: for the bytes that stay on this node and
+        # those that cross to another
         self._unit_nodes = unit_nodes
         self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._watch: Callable[[], list[str]] | None = None  # the driver's: names of dead plane actors
@@ -236,11 +311,15 @@ class _TQClient(DataPlaneClient):
         client_id = f"rlgraph_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         self._client = AsyncTransferQueueClient(client_id=client_id, controller_info=conf.controller.zmq_info)
         backend = conf.backend.storage_backend
+        if backend != "SimpleStorage":
+            self._client.close()
+            raise DataPlaneError(f"rlgraph runs TransferQueue's SimpleStorage backend; this controller has {backend!r}")
         try:  # handshakes with the controller (TQ_STORAGE_HANDSHAKE_TIMEOUT, 30 s by default)
-            self._client.initialize_storage_manager(manager_type=backend, config=conf.backend[backend])
+            self._client.initialize_storage_manager(manager_type=HOMED_MANAGER, config=conf.backend[backend])
         except Exception as e:
             self._client.close()
             raise DataPlaneError(f"could not connect to TransferQueue's storage: {e}") from e
+        self._manager: _HomedStorageManager = self._client.storage_manager
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
 
     def _run(self, coro: Awaitable[Any], what: str, nbytes: int = 0) -> Any:
@@ -260,11 +339,12 @@ class _TQClient(DataPlaneClient):
                 f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
                 f"{partition!r}; call create_partition with enough rows first"
             )
+        custom = list(found.custom_meta) if len(found.custom_meta or ()) == len(rows) else [{"row": r} for r in rows]
         return BatchMeta(
             global_indexes=list(found.global_indexes),
             partition_ids=[partition] * len(rows),
             field_schema={c: {} for c in columns},
-            custom_meta=[{"row": r} for r in rows],
+            custom_meta=custom,
         )
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
@@ -284,7 +364,8 @@ class _TQClient(DataPlaneClient):
         for value in values:
             for i, n in enumerate(row_nbytes(value, len(per_row))):
                 per_row[i] += n
-        local = sum(n for g, n in zip(meta.global_indexes, per_row) if self._unit_nodes[g % units] == self._node)
+        local = sum(n for g, n in zip(meta.global_indexes, per_row)
+                    if self._unit_nodes[self._manager.unit_of(g) % units] == self._node)
         count_locality(local, sum(per_row) - local)
 
     def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
@@ -369,9 +450,10 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
             tq.close()
             raise
 
-    def create_partition(self, partition: str, num_rows: int) -> None:
+    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None) -> None:
         if num_rows < 1:
             raise DataPlaneError(f"partition {partition!r}: num_rows must be >= 1, got {num_rows}")
+        homes = self._check_homes(partition, num_rows, homes)
         existing = self._run(self._client.async_get_partition_list(), "list partitions")
         if partition in existing:
             raise DataPlaneError(f"partition {partition!r} already exists; clear it before creating it again")
@@ -379,8 +461,25 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
             self._client.async_kv_retrieve_meta([str(i) for i in range(num_rows)], partition, create=True),
             f"register {num_rows} rows of partition {partition!r}",
         )
-        meta.update_custom_meta([{"row": i} for i in range(num_rows)])
+        tags = [{"row": i} if homes is None else {"row": i, "unit": homes[i]} for i in range(num_rows)]
+        meta.update_custom_meta(tags)
         self._run(self._client.async_set_custom_meta(meta), f"tag rows of partition {partition!r}")
+        self._manager.learn(list(meta.global_indexes), tags)
+
+    def _check_homes(self, partition: str, num_rows: int, homes: Sequence[int] | None) -> list[int] | None:
+        if homes is None:
+            return None
+        homes = [int(h) for h in homes]
+        units = self.config.num_storage_units
+        if len(homes) != num_rows:
+            raise DataPlaneError(f"partition {partition!r}: {len(homes)} homes for {num_rows} rows; give one per row")
+        bad = sorted({h for h in homes if not 0 <= h < units})
+        if bad:
+            raise DataPlaneError(f"partition {partition!r}: homes {bad} are not storage units (0..{units - 1})")
+        return homes
+
+    def storage_nodes(self) -> tuple[str, ...]:
+        return tuple(self._unit_nodes)
 
     def clear(self, partition: str) -> None:
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
