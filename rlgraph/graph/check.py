@@ -303,6 +303,16 @@ def _refill_problems(g: BuiltGraph) -> list[Problem]:
                                f"drop the filter", op=o.name))
         rounds = g.upstream.get(o.name, frozenset()) | {o.name}
         for r in g.pipeline.ops:
+            if r.name in rounds:
+                continue
+            for c in r.inputs:
+                t, made = g.column_types.get(c), g.producers.get(c, [None])[0]
+                if t is not None and made in rounds and t.level == "batch" and t.kind == "data":
+                    out.append(Problem("refill", f"op {r.name!r} reads batch-level column {c!r}, which {made!r} "
+                                       f"writes once per refill round of {o.name!r}: which round's value it "
+                                       f"would see is not defined", f"make {c!r} a per-sample column, or compute "
+                                       f"it after {o.name!r}", op=r.name, column=c))
+        for r in g.pipeline.ops:
             if r.name in rounds and any(t.kind == "state" for t in r.outputs.values()):
                 out.append(Problem("refill", f"op {r.name!r} writes state but runs in every round of {o.name!r} "
                                    f"(it is upstream of the filter)", "move the filter before the ops that "

@@ -396,6 +396,7 @@ class Runner:
         reasons: dict[str, int] = {}
         real = rounds = generated = 0
         made: list[str] = []
+        plane_lost = False
         try:
             for k in range(rf.max_rounds):
                 if len(kept) >= b.batch_size:
@@ -452,9 +453,13 @@ class Runner:
             except BaseException:
                 self.fleet.plane.clear(partition)
                 raise
+        except BaseException as e:  # a dead plane has nothing to clear, and answers nothing
+            plane_lost = isinstance(e, DataPlaneDied) or (isinstance(e, _Restore) and PLANE in e.dead)
+            raise
         finally:
-            for part in made:
-                self.fleet.plane.clear(part)
+            if not plane_lost:
+                for part in made:
+                    self.fleet.plane.clear(part)
         # the summaries of every generated sample, where they are written before the filter (the
         # trained ones are the filter's choice: their score says little about the policy's accuracy)
         gen_means = {f"generated/{name}/mean": sum(vals.values()) / len(vals)
@@ -465,10 +470,14 @@ class Runner:
         rec.summaries = {col: {at[key]: v for key, v in vals.items() if key in at}
                          for col, vals in rec.summaries.items()}
         units = self.fleet.plane.storage_nodes()
-        sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, None, slots=self._slots,
-                              gated=self.window.gated_ops(), row_nodes=None if homes is None else
-                              [units[h] for h in homes], rank_nodes=self.fleet.node_of,
-                              carried=(rf.carried, range(n_kept), rf.round_ops))
+        try:
+            sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, None, slots=self._slots,
+                                  gated=self.window.gated_ops(), row_nodes=None if homes is None else
+                                  [units[h] for h in homes], rank_nodes=self.fleet.node_of,
+                                  carried=(rf.carried, range(n_kept), rf.round_ops))
+        except BaseException:
+            self.fleet.plane.clear(partition)
+            raise
         self.window.admit(step, sched)
         self.reporter.step_started(step, sched.chunk_counts())
         lv = _Live(step, step, partition, sched, is_padding, t0, bytes0, rec=rec, quiet=frozenset(rf.round_ops))

@@ -200,7 +200,7 @@ class _Op:
         self.plan = plan
         self.order = order  # position in the plan: dispatch priority
         self.chunks = chunks
-        self.chunk_of = [0] * num_rows  # row -> index of the chunk holding it
+        self.chunk_of = [-1] * num_rows  # row -> index of the chunk holding it (-1: none, a refilled batch)
         for c in chunks:
             for r in c.rows:
                 self.chunk_of[r] = c.index
@@ -433,6 +433,8 @@ class StepScheduler:
             fresh += 1
             for st in readers:
                 k = st.chunk_of[r]
+                if k < 0:  # the op does not run on this row (a round's op on a row copied from the rounds)
+                    continue
                 st.missing[k] -= 1
                 if st.missing[k] == 0:
                     self._release(st, k)

@@ -339,7 +339,10 @@ class _TQClient(DataPlaneClient):
                 f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
                 f"{partition!r}; call create_partition with enough rows first"
             )
-        custom = list(found.custom_meta) if len(found.custom_meta or ()) == len(rows) else [{"row": r} for r in rows]
+        custom = list(found.custom_meta or ())
+        if len(custom) != len(rows):  # writing made-up metadata back would erase the rows' homes
+            raise DataPlaneError(f"TransferQueue returned metadata for {len(custom)} of {len(rows)} rows of "
+                                 f"partition {partition!r}; it was created by another client or changed since")
         return BatchMeta(
             global_indexes=list(found.global_indexes),
             partition_ids=[partition] * len(rows),
