@@ -167,8 +167,9 @@ def test_old_rlgraph_ray_sessions_are_pruned_and_others_left_alone(tmp_path):
 
 
 def test_missing_resources_lists_per_node_fit():
-    plan = _plan("cluster.num_nodes=2", "cluster.cpus_per_node=4", "groups.actor.num_cpus=1.5", "groups.actor.dp=2")
-    # needs 2 (data plane) + 2 x 1.5 (actor) + 0.5 + 0.5 + 0.25 = 6.25 CPUs
+    plan = _plan("cluster.num_nodes=2", "cluster.cpus_per_node=4", "groups.actor.num_cpus=1.5", "groups.actor.dp=2",
+                 "dataplane.storage_units=1")  # the default is one unit per node; this checks node 0's reservation
+    # needs 2 (data plane: controller and one unit) + 2 x 1.5 (actor) + 0.5 + 0.5 + 0.25 = 6.25 CPUs
     assert missing_resources(plan, [{"CPU": 4.0}, {"CPU": 4.0}]) == []
     assert "6.25 CPUs needed" in missing_resources(plan, [{"CPU": 3.0}, {"CPU": 3.0}])[0]
     # 6.3 CPUs in all, but the data plane leaves 0.2 on node 0; node 1 (4.1) takes the actor's
