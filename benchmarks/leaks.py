@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from rlgraph.runtime.progress import Reporter
+from rlgraph.runtime.reporter import Reporter
 
 MB = 1024 * 1024
 

@@ -63,7 +63,7 @@ def _rows(model: str, cfg: Config) -> tuple[list[Any], list[bool]]:
     import torch
 
     from rlgraph.ops.models import encode_prompt, load_tokenizer
-    from rlgraph.ops.tasks import make_rows
+    from rlgraph.ops.data.tasks import make_rows
 
     tok = load_tokenizer(model)
     heads = [torch.tensor(encode_prompt(tok, r["prompt"])) for r in make_rows("add", cfg.prompts, seed=5)]
@@ -98,7 +98,7 @@ def time_backend(model: str, backend: str, cfg: Config, steps: int) -> dict[str,
 
 
 def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.Section:
-    from rlgraph.ops.vllm_rollout import vllm_available
+    from rlgraph.ops.rollout.vllm_engine import vllm_available
 
     if not vllm_available():
         raise SystemExit("the rollout benchmark needs vLLM: bash scripts/setup.sh --vllm=cpu")

@@ -54,7 +54,7 @@ RM_WEIGHT = 0.5
 
 def prepare(config):
     """Build the tiny policy and the tiny reward model once (rlgraph run calls this before starting)."""
-    from rlgraph.ops.reward_model import prepare_tiny_reward_model
+    from rlgraph.ops.reward.model import prepare_tiny_reward_model
     from rlgraph.ops.tiny import prepare_tiny_policy
 
     task, seed = config["data"]["task"], config["trainer"]["seed"]

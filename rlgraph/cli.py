@@ -298,7 +298,7 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     (open in Perfetto) and DIR/timeline.svg (op calls per worker against time), plus plan.json
     and pipeline.svg.
     """
-    from rlgraph.runtime.progress import make_reporter
+    from rlgraph.runtime.reporting import make_reporter
     from rlgraph.runtime.runner import RunOptions, Runner, prepare
 
     plan = _plan_or_compile(target, overrides)

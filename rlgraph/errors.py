@@ -6,6 +6,7 @@ so a user fixes a pipeline in one round instead of one error at a time.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 __all__ = [
@@ -25,6 +26,13 @@ __all__ = [
 
 class RLGraphError(Exception):
     """Base of every error rlgraph raises on bad user input. The CLI prints these without a traceback."""
+
+    def with_message(self, message: str) -> RLGraphError:
+        """The same error, its type and attributes kept, saying `message` instead: context is added
+        (a retry count) without calling a subclass's constructor, whose arguments differ."""
+        new = copy.copy(self)
+        new.args = (message,)
+        return new
 
 
 @dataclass(frozen=True)

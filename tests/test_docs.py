@@ -299,7 +299,7 @@ def test_shell_commands(doc: str, tmp_path):
 def test_every_check_code_is_documented():
     codes: set[str] = set()
     for pkg in ("graph", "ops"):
-        for path in (ROOT / "rlgraph" / pkg).glob("*.py"):
+        for path in (ROOT / "rlgraph" / pkg).rglob("*.py"):
             codes |= set(re.findall(r'Problem\(\s*"([a-z][a-z-]*)"', path.read_text()))
     checks = (DOCS / "dsl.md").read_text().partition("\n## Checks\n")[2]
     documented = set(re.findall(r"^\| `([a-z][a-z-]*)` \|", checks, re.M))

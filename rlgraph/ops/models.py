@@ -19,16 +19,18 @@ import logging
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
 from rlgraph.errors import RLGraphError
 
 __all__ = [
+    "build_once",
     "ModelLoadError",
     "DEFAULT_CHARS",
     "SPECIAL_TOKENS",
@@ -44,7 +46,7 @@ __all__ = [
     "sft_warmstart",
 ]
 
-# Digits, lower-case letters and the punctuation the built-in tasks use (rlgraph.ops.tasks).
+# Digits, lower-case letters and the punctuation the built-in tasks use (rlgraph.ops.data.tasks).
 DEFAULT_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-*=?'\":,.()\n"
 
 # <pad>, <bos>, <eos>, <unk> take ids 0-3; the chat role markers follow.
@@ -64,6 +66,26 @@ CHAT_TEMPLATE = (
 
 class ModelLoadError(RLGraphError, FileNotFoundError):
     """A model or tokenizer path is missing, not a Hugging Face directory, or not loadable."""
+
+
+def build_once(path: str | Path, build: Callable[[Path], None]) -> Path:
+    """Make `path` (``~`` expanded) by calling ``build(tmp)`` once: a no-op when `path` already holds a
+    model (``config.json``); a file lock keeps parallel runs from racing; `build` writes into
+    ``<path>.partial``, renamed to `path` only when complete."""
+    out = Path(path).expanduser()
+    if (out / "config.json").is_file():
+        return out
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():  # another run made it while we waited
+            return out
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        tmp.rename(out)
+    return out
 
 
 def char_tokenizer(chars: str = DEFAULT_CHARS, padding_side: Literal["left", "right"] = "left") -> Any:

@@ -104,7 +104,7 @@ def prompt_source(**params: Param) -> DataSource:
     ``reward_model.ground_truth``, ``extra_info``), tokenised, each repeated n times.
 
     With an empty ``data.path`` the prompts of the built-in task ``data.task`` are generated
-    (see `rlgraph.ops.tasks`). The body is `rlgraph.ops.data.PromptSource`."""
+    (see `rlgraph.ops.data.tasks`). The body is `rlgraph.ops.data.prompts.PromptSource`."""
     return DataSource(
         columns=_cols("prompt_ids", "data_source", "ground_truth", "extra_info"),
         params={
@@ -126,12 +126,12 @@ def prompt_source(**params: Param) -> DataSource:
                             choices=("auto", "ray", "local")),
             **params,
         },
-        impl="rlgraph.ops.data:PromptSource",
+        impl="rlgraph.ops.data.prompts:PromptSource",
     )
 
 
 def _validate_generate(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
-    from rlgraph.ops.rollout import parse_token_ids
+    from rlgraph.ops.rollout.parts import parse_token_ids
 
     try:
         parse_token_ids(str(params.get("stop_token_ids", "")))
@@ -185,7 +185,7 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
                              "but which tokens each version made depends on timing: a resume does not repeat them "
                              "bit for bit"),
         },
-        impl="rlgraph.ops.actor:ActorWorker.generate",
+        impl="rlgraph.ops.train.actor:ActorWorker.generate",
         group_size_param="n",
         batching=Batching(micro_batch="micro_batch_size", per_rank=True),
         streams=True,
@@ -200,7 +200,7 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
 def _validate_reward(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
     """Load the reward function at compile time: a wrong path or signature fails `rlgraph compile`
     and `rlgraph validate`, not step 0 of a run after generation."""
-    from rlgraph.ops.rewards import RewardFnError, load_reward_fn
+    from rlgraph.ops.reward.functions import RewardFnError, load_reward_fn
 
     fn = params.get("fn")
     if not isinstance(fn, str):
@@ -234,7 +234,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         params={
             "tokenizer": Param(str, "", "tokenizer directory for decoding responses (default: data.tokenizer, "
                                "then actor.model_path, then the built-in character tokenizer)"),
-            "fn": Param(str, "rlgraph.ops.rewards:compute_score",
+            "fn": Param(str, "rlgraph.ops.reward.functions:compute_score",
                         "'module:function' or 'file.py:function' with signature compute_score(data_source, "
                         "solution_str, ground_truth, extra_info=None) -> float | dict; may be async def"),
             "micro_batch_size": Param(int, 64, "samples per call (a call goes to one reward worker)", minimum=1),
@@ -246,7 +246,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
             "on_error": Param(str, "fail", "a sample whose function raised or timed out: fail the step, score it "
                               "zero, or drop its group from training (drop_group)", choices=ON_ERROR),
         },
-        impl="rlgraph.ops.reward:RewardWorker.compute_reward",
+        impl="rlgraph.ops.reward.rule:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,  # on_error=drop_group
         validate=_validate_reward,
@@ -280,7 +280,7 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
                                      "other ids (it reads the policy's token ids directly)", setup=True),
         },
         config_key="reward_model",  # the worker class reads its settings there, whatever the op's name
-        impl="rlgraph.ops.reward_model:RewardModelWorker.compute_rm_score",
+        impl="rlgraph.ops.reward.model:RewardModelWorker.compute_rm_score",
         batching=Batching(micro_batch="micro_batch_size"),
         cost=1.0,
         doc="Reward-model forward pass: one scalar per sample on its last response token.",
@@ -302,7 +302,7 @@ def combine_rewards(weights: Mapping[str, float], group: str = "reward", name: s
         group=group,
         params={f"w_{col}": Param(float, float(w), f"weight of {col!r} in the combined score")
                 for col, w in weights.items()},
-        impl="rlgraph.ops.reward:combine_rewards",
+        impl="rlgraph.ops.reward.rule:combine_rewards",
         cost=0.1,
         doc="Mixed reward: a weighted sum of rule and model scores.",
     ).with_(**changes)
@@ -333,7 +333,7 @@ def overlong_penalty(score_column: str = "rule_scores", group: str = "reward", n
             "max_response_length": Param(int, 0, "the maximum response length the buffer ends at (0: "
                                          "rollout.max_new_tokens)", minimum=0),
         },
-        impl="rlgraph.ops.reward:overlong_penalty",
+        impl="rlgraph.ops.reward.rule:overlong_penalty",
         cost=0.05,
         doc="Soft overlong punishment (DAPO): a linear penalty in the last buffer_len tokens.",
     ).with_(**changes)
@@ -383,7 +383,7 @@ def filter_groups(score_column: str = "raw_scores", metric_column: str | None = 
                                 "on the groups kept (train) or stop the run with an error (fail, as verl)",
                                 choices=("train", "fail")),
         },
-        impl="rlgraph.ops.reward:filter_groups",
+        impl="rlgraph.ops.reward.rule:filter_groups",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,
         refill=True,
@@ -414,7 +414,7 @@ def old_logprob(group: str = "actor", **changes: Any) -> OpSpec:
     """Log-probs (and entropy) of the responses under the current policy, compared with the rollout
     engine's (``rollout_probs_diff`` metrics: how far the engine's distribution is from the trainer's)."""
     spec = _forward("old_logprob", ("old_log_probs", "entropy", "old_logprob_metrics"), group,
-                    "rlgraph.ops.actor:ActorWorker.compute_log_prob", "policy_weights",
+                    "rlgraph.ops.train.actor:ActorWorker.compute_log_prob", "policy_weights",
                     "Forward pass of the actor on response tokens.")
     return spec.with_(
         inputs={**spec.inputs, **_cols("rollout_log_probs")},
@@ -428,7 +428,7 @@ def old_logprob(group: str = "actor", **changes: Any) -> OpSpec:
 
 def ref(group: str = "actor", **changes: Any) -> OpSpec:
     """Log-probs of the responses under the frozen reference policy."""
-    spec = _forward("ref", ("ref_log_prob",), group, "rlgraph.ops.actor:ActorWorker.compute_ref_log_prob",
+    spec = _forward("ref", ("ref_log_prob",), group, "rlgraph.ops.train.actor:ActorWorker.compute_ref_log_prob",
                     None, "Forward pass of the frozen reference model.")
     params = {**spec.params, "model_path": Param(str, "", "reference model directory (default: actor.model_path)")}
     return spec.with_(params=params, **changes)
@@ -436,7 +436,7 @@ def ref(group: str = "actor", **changes: Any) -> OpSpec:
 
 def values(group: str = "critic", **changes: Any) -> OpSpec:
     """Critic values per response token."""
-    return _forward("values", ("values",), group, "rlgraph.ops.critic:CriticWorker.compute_values",
+    return _forward("values", ("values",), group, "rlgraph.ops.train.critic:CriticWorker.compute_values",
                     "critic_weights", "Forward pass of the critic (value head).").with_(**changes)
 
 
@@ -501,7 +501,7 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
             "kl_target": Param(float, 0.1, "adaptive controller's KL target", minimum=0.0),
             "kl_horizon": Param(int, 10000, "adaptive controller's horizon", minimum=1),
         },
-        impl="rlgraph.ops.advantage:AdvantageWorker.compute_advantage",
+        impl="rlgraph.ops.algos.advantage_op:AdvantageWorker.compute_advantage",
         validate=_validate_advantage(granularity),
         uses=_advantage_uses,
         cost=0.2,
@@ -539,7 +539,7 @@ def update_critic(group: str = "critic", **changes: Any) -> OpSpec:
         params=_update_params(1e-5, {
             "cliprange_value": Param(float, 0.5, "value clip range around the old values", minimum=0.0),
         }),
-        impl="rlgraph.ops.critic:CriticWorker.update_critic",
+        impl="rlgraph.ops.train.critic:CriticWorker.update_critic",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         cost=3.0,
     ).with_(**changes)
@@ -607,7 +607,7 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
                                    "each token by exp(old_log_probs - rollout_log_probs), dropping tokens whose "
                                    "weight exceeds this cap (> 1; AReaL uses 5); 0: off", minimum=0.0),
         }),
-        impl="rlgraph.ops.actor:ActorWorker.update_actor",
+        impl="rlgraph.ops.train.actor:ActorWorker.update_actor",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         skip_before="trainer.critic_warmup",
         validate=_validate_actor,

@@ -1,4 +1,4 @@
-"""Tiny policies for the bundled examples and tests: build, warm start, cache.
+"""Tiny policies for the bundled examples and tests: build, warm start, cache, evaluate.
 
 `prepare_tiny_policy` is what the examples' ``prepare`` hook calls before a run: when
 ``actor.model_path`` holds no model yet, it builds a tiny Qwen2-style model with the character
@@ -9,35 +9,14 @@ runs from racing) and never downloads anything.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Mapping, Sequence
 
-from filelock import FileLock
+from rlgraph.ops.data.tasks import make_rows, sft_examples
+from rlgraph.ops.models import build_once, build_tiny_model, sft_warmstart
 
-from rlgraph.ops.models import build_tiny_model, sft_warmstart
-from rlgraph.ops.tasks import make_rows, sft_examples
-
-__all__ = ["build_once", "prepare_tiny_policy"]
-
-
-def build_once(path: str | Path, build: Callable[[Path], None]) -> Path:
-    """Make `path` (``~`` expanded) by calling ``build(tmp)`` once: a no-op when `path` already holds a
-    model (``config.json``); a file lock keeps parallel runs from racing; `build` writes into
-    ``<path>.partial``, renamed to `path` only when complete."""
-    out = Path(path).expanduser()
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / "config.json").is_file():  # another run made it while we waited
-            return out
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build(tmp)
-        tmp.rename(out)
-    return out
+__all__ = ["prepare_tiny_policy", "evaluate"]
 
 
 def prepare_tiny_policy(model_path: str, task: str, sft_steps: int, seed: int = 0, sft_rows: int = 2048,
@@ -54,3 +33,33 @@ def prepare_tiny_policy(model_path: str, task: str, sft_steps: int, seed: int = 
                   f"{m.loss_first:.2f} -> {m.loss_last:.2f}, {time.time() - start:.0f}s -> {model_path}", flush=True)
 
     return build_once(model_path, build)
+
+
+def evaluate(model: Any, tokenizer: Any, rows: Sequence[Mapping[str, Any]], temperature: float = 0.0,
+             max_new_tokens: int = 4, seed: int = 0, batch_size: int = 64) -> float:
+    """Mean score of `model` on `rows` with HF ``generate``: greedy when `temperature` is 0,
+    else sampling at that temperature (seeded). Scored by `rlgraph.ops.reward.functions.compute_score`."""
+    import torch
+
+    from rlgraph.ops.models import encode_prompt
+    from rlgraph.ops.reward.functions import compute_score
+
+    pad = tokenizer.pad_token_id
+    total = 0.0
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            prompts = [encode_prompt(tokenizer, r["prompt"]) for r in chunk]
+            width = max(map(len, prompts))
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left-padded
+            attention_mask = (input_ids != pad).long()
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+                else dict(do_sample=False)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                 pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
+            for r, ids in zip(chunk, out[:, width:]):
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                s = compute_score(r["data_source"], text, r["reward_model"]["ground_truth"], r.get("extra_info"))
+                total += float(s["score"] if isinstance(s, dict) else s)
+    return total / max(1, len(rows))

@@ -20,7 +20,7 @@ from rlgraph.graph.config import flatten
 from rlgraph.graph.packing import Slot, dataplane_actors, pack
 from rlgraph.graph.plan import Plan
 
-__all__ = ["ClusterError", "NodeLost", "RayHandle", "alive_nodes", "check_cluster", "check_lost_nodes", "dead_actors",
+__all__ = ["ClusterError", "NodeLost", "RayHandle", "alive_nodes", "check_cluster", "check_lost_nodes",
            "force_loopback", "missing_resources", "prune_sessions", "start_ray"]
 
 log = logging.getLogger(__name__)
@@ -220,8 +220,8 @@ def check_lost_nodes(plan: Plan, started_on: dict[str, dict[str, float]]) -> lis
             raise NodeLost(
                 f"lost {len(lost)} node(s) of the cluster: {names}; the {len(now)} node(s) left cannot hold the "
                 f"plan:\n  - " + "\n  - ".join(missing) + "\nfix: add a node with those resources (ray start "
-                f"--address=...) and resume (`rlgraph run ... --resume`), or recompile for the smaller cluster "
-                f"(lower groups.<name>.dp, or placement=spread instead of strict_spread)")
+                "--address=...) and resume (`rlgraph run ... --resume`), or recompile for the smaller cluster "
+                "(lower groups.<name>.dp, or placement=spread instead of strict_spread)")
     return lost
 
 
@@ -238,20 +238,3 @@ def check_cluster(plan: Plan) -> dict[str, dict[str, float]]:
             "groups.<name>.num_cpus=...), or add nodes"
         )
     return nodes
-
-
-def dead_actors(actors: dict[str, object]) -> list[str]:
-    """The names of those `actors` (name -> Ray actor handle) that Ray's control store (GCS)
-    records as dead: a lookup per actor, no call into it, so a busy actor is never mistaken for
-    a dead one and a dead one is seen within a poll, not after a request's timeout."""
-    from ray._private import state  # the GCS actor table; ray.util.state would need the dashboard
-
-    dead = []
-    for name, handle in actors.items():
-        try:
-            info = state.actors(actor_id=handle._actor_id.hex())  # type: ignore[attr-defined]
-        except Exception:  # the GCS is unreachable: the run's own waits will say so
-            continue
-        if info and info.get("State") == "DEAD":
-            dead.append(name)
-    return dead

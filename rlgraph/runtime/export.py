@@ -29,8 +29,8 @@ from rlgraph.runtime.checkpoint import checkpoint_steps, load_part, read_meta, s
 __all__ = ["ExportError", "Exported", "export_model", "WORKER_CLASSES"]
 
 # which worker class holds each exportable model, and the config keys naming its starting point
-WORKER_CLASSES: Mapping[str, str] = {"actor": "rlgraph.ops.actor:ActorWorker",
-                                     "critic": "rlgraph.ops.critic:CriticWorker"}
+WORKER_CLASSES: Mapping[str, str] = {"actor": "rlgraph.ops.train.actor:ActorWorker",
+                                     "critic": "rlgraph.ops.train.critic:CriticWorker"}
 _BASE_KEYS: Mapping[str, tuple[str, ...]] = {"actor": ("actor.model_path", "rollout.model_path"),
                                              "critic": ("critic.model_path", "actor.model_path")}
 _NOT_STATE = {"meta", "source", "state_versions"}

@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.cluster import RayHandle, alive_nodes, check_cluster, check_lost_nodes, dead_actors, start_ray
-from rlgraph.runtime.dataplane.base import DataPlaneDied
-from rlgraph.runtime.scheduler import Call
+from rlgraph.runtime.cluster import RayHandle, alive_nodes, check_cluster, check_lost_nodes, start_ray
+from rlgraph.runtime.dataplane.base import DataPlaneDied, dead_actors
+from rlgraph.runtime.scheduler import Call, row_homes
 
 __all__ = ["Fleet", "PLANE", "SOURCE"]
 
@@ -346,6 +346,15 @@ class Fleet:
         if isinstance(waitable, ray.ObjectRefGenerator):
             waitable = next(waitable)
         return self.get([waitable], what)[0]
+
+    def homes(self, rows: int) -> tuple[list[int] | None, list[str] | None]:
+        """Each row's storage unit and that unit's node (`scheduler.row_homes`), or None and None:
+        TransferQueue's own rule (``dataplane.locality=hash``, or a plane that places rows by writer)."""
+        if self.plan.config["dataplane"]["locality"] != "node":
+            return None, None
+        units = self.plane.storage_nodes()
+        homes = row_homes(self.plan, rows, self.node_of, units)
+        return (None, None) if homes is None else (homes, [units[h] for h in homes])
 
     def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> tuple[list[int], list[bool]]:
         """Have the source write a step's first columns; returns the rows' group ids and padding tags."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from rlgraph.errors import ConfigError
 from rlgraph.graph.config import flatten
-from rlgraph.runtime.progress import Reporter
+from rlgraph.runtime.reporter import Reporter
 
 __all__ = ["TensorBoardLogger", "WandbLogger", "MLflowLogger", "require", "scalars", "wandb_mode", "RUNS_FILE"]
 

@@ -1,21 +1,28 @@
-"""Per-step metrics: accuracy over real rows only, throughput over all rows, driver traffic.
+"""Per-step metrics: the one builder of a step's record, and the one writer and reader of
+metrics.jsonl.
 
-Padding rows never reach accuracy metrics: workers return per-row summaries only for rows
-whose ``is_padding`` tag is false. Throughput metrics (samples/s) count every row, padding
-included, because padding rows cost compute.
+Accuracy metrics cover real rows only: workers return per-row summaries only for rows whose
+``is_padding`` tag is false. Throughput metrics (samples/s) count every row, padding included,
+because padding rows cost compute. A record's ``step`` is the training step's integer number.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from rlgraph.runtime.trace import Span
 
-__all__ = ["step_metrics", "flatten_metrics", "MetricsWriter"]
+if TYPE_CHECKING:
+    from rlgraph.graph.plan import Plan
+    from rlgraph.runtime.step import LiveStep
+
+__all__ = ["step_record", "IdleClock", "flatten_metrics", "MetricsWriter", "read_metrics"]
 
 
 def _stats(prefix: str, values: list[float]) -> dict[str, float]:
@@ -52,7 +59,7 @@ def _merge(key: str, values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def step_metrics(step: int, *, summaries: Mapping[str, list[float]], names: Mapping[str, str],
+def _step_metrics(step: int, *, summaries: Mapping[str, list[float]], names: Mapping[str, str],
                  op_metrics: Mapping[str, list[Any]],
                  spans: Iterable[Span], wall_s: float, real_rows: int, pad_rows: int,
                  driver_payload_bytes: int, driver_result_bytes: int, schedule: str,
@@ -109,20 +116,106 @@ def step_metrics(step: int, *, summaries: Mapping[str, list[float]], names: Mapp
     return m
 
 
+class IdleClock:
+    """How long each worker group sat idle before a training step's first call on it (waiting for
+    its inputs, for weights or for the previous step): the rollout's idle time is what running
+    ahead removes. Forgets everything after a restore."""
+
+    def __init__(self) -> None:
+        self._last_end: dict[str, float] = {}  # group -> end of its latest call in the steps done
+
+    def record(self, spans: list[Span]) -> dict[str, float]:
+        out = {}
+        for group in sorted({s.group for s in spans}):
+            mine = [s for s in spans if s.group == group]
+            if group in self._last_end:
+                out[f"timing/idle/{group}_s"] = max(0.0, min(s.start for s in mine) - self._last_end[group])
+            self._last_end[group] = max([self._last_end.get(group, 0.0), *(s.end for s in mine)])
+        return out
+
+    def clear(self) -> None:
+        self._last_end.clear()
+
+
+def step_record(lv: LiveStep, plan: Plan, schedule: str, idle: IdleClock | None = None, *,
+                retries: int | None = None, validation: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The metrics record of finished step `lv`: one line of metrics.jsonl, or (validation) the
+    source of its ``val/`` keys. `idle` tracks the groups' idle time across training steps;
+    `retries` and `validation` are added to a training step's record."""
+    sched, rec = lv.sched, lv.rec
+    real = sum(1 for p in lv.is_padding if not p)
+    pad = len(lv.is_padding) - real
+    summaries = {c: [v for r, v in sorted(vals.items()) if r not in sched.dropped]
+                 for c, vals in rec.summaries.items()}
+    reasons: dict[str, int] = dict(lv.refill.get("dropped", {}))  # a refilled step: the rounds' drops
+    if lv.refill:  # every round's real samples: the trained ones, and those dropped or left over
+        real = lv.refill["real"]
+    for reason, _ in sched.dropped.values():
+        reasons[reason] = reasons.get(reason, 0) + 1
+    m = _step_metrics(lv.step, summaries=summaries, names=plan.summaries, op_metrics=rec.op_metrics,
+                      spans=rec.spans, wall_s=lv.t1 - lv.t0, real_rows=real, pad_rows=pad,
+                      dropped=reasons, driver_payload_bytes=lv.bytes1 - lv.bytes0,
+                      driver_result_bytes=rec.result_bytes, schedule=schedule)
+    m["faults/restarts"] = rec.restarts
+    m.update(lv.refill.get("metrics", {}))
+    local, remote = sum(s.local_bytes for s in rec.spans), sum(s.cross_node_bytes for s in rec.spans)
+    if local or remote:  # the plane knows where each row is stored (TransferQueue)
+        m["dataplane/local_bytes"] = local
+        m["dataplane/cross_node_bytes"] = remote
+        m["dataplane/cross_node_frac"] = remote / (local + remote)
+    m["timing/state_sync_s"] = rec.sync_s
+    if lv.training and idle is not None:
+        m.update(idle.record(rec.spans))
+    if retries is not None:
+        m["faults/retries"] = retries
+    if validation:
+        names = set(plan.summaries.values())
+        m.update({f"val/{k}": v for k, v in validation.items() if k.split("/")[0] in names})
+    return m
+
+
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl``; on resume keeps steps <= k only."""
+    """Appends one JSON object per step to ``metrics.jsonl``, each line flushed and fsynced; on
+    resume keeps the steps <= k only (a line cut short by a kill or a full disk is dropped, with a
+    warning)."""
 
     def __init__(self, path: Path, resume_after: int | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_after is None or not path.exists():
-            path.write_text("")
-        else:
-            keep = [ln for ln in path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", -1) <= resume_after]
-            path.write_text("".join(ln + "\n" for ln in keep))
+        keep = [] if resume_after is None else [r for r in read_metrics(path, warn=True)
+                                                if r.get("step", -1) <= resume_after]
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def write(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
+
+def read_metrics(path: Path, warn: bool = False) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (none if there is no file). A line that is not a whole JSON
+    object (the last one, cut short by a kill or a full disk) is skipped, with a warning if `warn`."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if warn:
+                warnings.warn(f"{path}:{n} is not a whole metrics record (cut short by a kill or a full disk?); "
+                              f"dropped it", RuntimeWarning, stacklevel=2)
+            continue
+        out.append(record)
+    return out

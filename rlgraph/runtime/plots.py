@@ -21,13 +21,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from rlgraph.runtime.trace import PALETTE, Span
+from rlgraph.runtime.metrics import read_metrics
+from rlgraph.runtime.trace import PALETTE, Span, write_chrome_trace
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["LONG_RUN", "DETAIL_STEPS", "SUMMARY_POINTS", "AVERAGE_WINDOW", "new_figure", "save", "reward_curve_figure",
+__all__ = ["write_run_charts", "LONG_RUN", "DETAIL_STEPS", "SUMMARY_POINTS", "AVERAGE_WINDOW", "new_figure", "save", "reward_curve_figure",
            "write_reward_curve", "timeline_figure", "write_timeline"]
 
 LONG_RUN = 8  # a timeline of more steps than this draws the last DETAIL_STEPS in detail plus a summary
@@ -292,3 +293,24 @@ def write_timeline(path: str | Path, spans: Iterable[Span], title: str = "timeli
                    records: Sequence[Mapping[str, Any]] = ()) -> tuple[Path, Path]:
     """Draw `timeline_figure` to ``<path>.svg`` and ``.png``."""
     return save(timeline_figure(spans, title, records), path)
+
+
+def write_run_charts(out: Path, title: str, headline: Sequence[str], spans: Sequence[Span], note: str = "") -> None:
+    """A run's charts as it ends: reward_curve.svg/.png of the first headline metric, trace.json
+    and timeline.svg/.png of the op calls in `spans` (whose whole-run summary reads every step's op
+    timings from metrics.jsonl: the spans cover the latest steps only). It runs also when the run
+    failed, so a chart that cannot be drawn is a warning, never an exception that would hide the
+    run's own error."""
+    import warnings
+
+    try:
+        records = read_metrics(out / "metrics.jsonl")
+        if headline:
+            write_reward_curve(out / "reward_curve.svg", records, key=headline[0],
+                               title=f"{title}: {headline[0]} per step")
+        if spans:
+            write_chrome_trace(spans, out / "trace.json")
+            write_timeline(out / "timeline.svg", spans, title=f"{title}: {note}", records=records)
+    except Exception as e:
+        warnings.warn(f"could not write the run's charts to {out} ({type(e).__name__}: {e}); metrics.jsonl "
+                      f"has every step", RuntimeWarning, stacklevel=2)

@@ -33,6 +33,7 @@ from typing import Iterator
 
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.scheduler import StepScheduler
+from rlgraph.runtime.step import StepKey
 
 __all__ = ["Gate", "Window", "reads_step"]
 
@@ -41,10 +42,10 @@ _UNKNOWN = "unknown"  # a group's state after a restore: sync it before it is re
 
 @dataclass(frozen=True)
 class Gate:
-    """What stands between op `op` of step `step` and its start. ``sync``: move the value that
-    state column `column` had after producer step `version` into group `group` first."""
+    """What stands between op `op` of the step at `key` and its start. ``sync``: move the value
+    that state column `column` had after producer step `version` into group `group` first."""
 
-    step: int
+    key: StepKey
     op: str
     sync: tuple[str, str, int] | None = None  # (column, group, producer step)
 
@@ -59,8 +60,8 @@ class Window:
 
     def __init__(self, plan: Plan, stateful: dict[str, bool]) -> None:
         self.plan = plan
-        self.live: dict[int, StepScheduler] = {}
-        self._reads: dict[int, int | None] = {}  # step -> fixed producer step for every read (validation)
+        self.live: dict[StepKey, StepScheduler] = {}
+        self._reads: dict[StepKey, int | None] = {}  # key -> fixed producer step for every read (validation)
         self.stateful = {g: s for g, s in stateful.items() if s}
         self.lag = {op.name: op.lag for op in plan.ops}
         self.state_cols = {op.name: list(op.state_inputs) for op in plan.ops}
@@ -95,21 +96,23 @@ class Window:
             return {name for name, cols in self.state_cols.items() if cols}
         return {op.name for op in self.plan.ops if self.state_cols[op.name] or op.group in self.stateful}
 
-    def admit(self, step: int, sched: StepScheduler, reads: int | None = None) -> None:
-        """Step `step` is in flight. `reads`: the producer step every state read of this step sees
-        (validation after step s reads step s's weights), instead of the per-op rule."""
-        self.live[step] = sched
-        self._reads[step] = reads
+    def admit(self, key: StepKey | int, sched: StepScheduler, reads: int | None = None) -> None:
+        """The step at `key` (a training step's number, or a `StepKey`) is in flight. `reads`: the
+        producer step every state read of this step sees (validation after step s reads step s's
+        weights), instead of the per-op rule."""
+        key = key if isinstance(key, StepKey) else StepKey(key)
+        self.live[key] = sched
+        self._reads[key] = reads
 
-    def pop_done(self) -> Iterator[int]:
+    def pop_done(self) -> Iterator[StepKey]:
         """Steps that finished, oldest first, stopping at the first unfinished one."""
         while self.live:
-            step = min(self.live)
-            if not self.live[step].finished:
+            key = min(self.live)
+            if not self.live[key].finished:
                 return
-            del self.live[step]
-            self._reads.pop(step, None)
-            yield step
+            del self.live[key]
+            self._reads.pop(key, None)
+            yield key
 
     def clear(self) -> None:
         """Forget every step in flight (a restore)."""
@@ -135,7 +138,7 @@ class Window:
 
     def prunable(self, next_step: int) -> list[tuple[str, int]]:
         """Kept values no step >= the oldest step in flight (or `next_step`) can read any more."""
-        oldest = min([*self.live, next_step])
+        oldest = min([k.step for k in self.live] + [next_step])
         out = []
         for c, steps in self.kept.items():
             lags = [self.lag[o] for o in self.plan.columns[c].consumers] or [0]
@@ -178,26 +181,28 @@ class Window:
         """For every gated op of every live step whose cross-step conditions hold: open it
         (``sync`` None) or first sync one state column into its group."""
         out = []
-        for step in sorted(self.live):
-            sched = self.live[step]
+        for key in sorted(self.live):
+            sched = self.live[key]
             for op in sorted(sched.gated, key=lambda o: self.plan.op(o).stage):
-                gate = self._gate(step, op)
+                gate = self._gate(key, op)
                 if gate is not None:
                     out.append(gate)
         return out
 
     def _finished(self, step: int, op: str) -> bool:
-        """`op` finished at `step` (steps before the window and those not in flight any more count)."""
-        if step < self.first or step not in self.live:
+        """`op` finished at training step `step` (steps before the window and those not in flight
+        any more count)."""
+        key = StepKey(step)
+        if step < self.first or key not in self.live:
             return True
-        return self.live[step].op_finished(op)
+        return self.live[key].op_finished(op)
 
-    def _gate(self, step: int, op: str) -> Gate | None:
-        group = self.group_of[op]
-        fixed = self._reads.get(step)
+    def _gate(self, key: StepKey, op: str) -> Gate | None:
+        group, step = self.group_of[op], key.step
+        fixed = self._reads.get(key)
         if fixed is None and group in self.stateful:
             prev = step - 1
-            if prev in self.live and not all(self._finished(prev, o) for o in self.group_ops[group]):
+            if StepKey(prev) in self.live and not all(self._finished(prev, o) for o in self.group_ops[group]):
                 return None
         for c in self.state_cols[op]:
             upto = fixed if fixed is not None else reads_step(step, self.lag[op])
@@ -207,5 +212,5 @@ class Window:
                 continue  # written here, on its only rank: it holds its own latest value, in order
             version = self.version_for(c, step - 1 if op in self.partial and fixed is None else upto)
             if self.held.get((c, group), _UNKNOWN) != version:
-                return Gate(step, op, (c, group, version))
-        return Gate(step, op)
+                return Gate(key, op, (c, group, version))
+        return Gate(key, op)

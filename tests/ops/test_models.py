@@ -10,8 +10,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from rlgraph.errors import RLGraphError  # noqa: E402
-from rlgraph.ops import models, tasks  # noqa: E402
+from rlgraph.ops import models  # noqa: E402
+from rlgraph.ops.data import tasks  # noqa: E402
 from rlgraph.ops.models import ModelLoadError  # noqa: E402
+from rlgraph.ops.tiny import evaluate  # noqa: E402
 
 USER = [{"role": "user", "content": "3+4="}]
 
@@ -153,7 +155,7 @@ def test_sft_warmstart_learns_the_answers_and_saves(tiny, tmp_path):
     assert models.load_tokenizer(out).padding_side == "left"
     before = models.load_causal_lm(tiny)  # the source directory is untouched
     assert not torch.equal(tuned.lm_head.weight, before.lm_head.weight)
-    acc = tasks.evaluate(tuned, models.load_tokenizer(out), rows[:32])
+    acc = evaluate(tuned, models.load_tokenizer(out), rows[:32])
     assert 0.0 <= acc <= 1.0
     again = models.sft_warmstart(out, tasks.sft_examples(rows), steps=2, batch_size=4)  # in place
     assert again.out_dir == out and sorted(p.name for p in tmp_path.iterdir()) == ["sft"]  # no temp dirs left

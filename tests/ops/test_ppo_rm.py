@@ -23,7 +23,7 @@ COMBINED = "combine_rewards/combine_rewards_metrics"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from rlgraph.ops.reward_model import prepare_tiny_reward_model
+    from rlgraph.ops.reward.model import prepare_tiny_reward_model
     from rlgraph.ops.tiny import prepare_tiny_policy
 
     root = tmp_path_factory.mktemp("ppo_rm")

@@ -21,7 +21,7 @@ from rlgraph.errors import ConfigError, PipelineError, PlanError, RLGraphError  
 from rlgraph.graph.compile import compile_pipeline  # noqa: E402
 from rlgraph.graph.loader import load_pipeline  # noqa: E402
 from rlgraph.graph.plan import load_plan  # noqa: E402
-from rlgraph.ops.data import PromptDataError, PromptSource, PromptTooLongError  # noqa: E402
+from rlgraph.ops.data.prompts import PromptDataError, PromptSource, PromptTooLongError  # noqa: E402
 from rlgraph.runtime.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, latest_checkpoint,  # noqa: E402
                                         load_state, read_meta, save_state)
 
@@ -270,7 +270,7 @@ def test_several_bad_overrides_are_reported_at_once(grpo):
 
 
 def test_reward_function_with_the_wrong_signature(tmp_path):
-    from rlgraph.ops.rewards import RewardFnError, load_reward_fn
+    from rlgraph.ops.reward.functions import RewardFnError, load_reward_fn
 
     (tmp_path / "my_reward.py").write_text("def f(x):\n    return 1.0\n")
     ref = f"{tmp_path / 'my_reward.py'}:f"

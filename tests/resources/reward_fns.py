@@ -6,7 +6,7 @@
 import asyncio
 import time
 
-from rlgraph.ops.rewards import compute_score
+from rlgraph.ops.reward.functions import compute_score
 
 
 def raise_on_odd(data_source, solution_str, ground_truth, extra_info=None):

@@ -15,7 +15,7 @@ import torch
 from rlgraph import Cluster, Pipeline, T, WorkerGroup, op
 from rlgraph.ops import stages
 from rlgraph.ops.models import char_tokenizer
-from rlgraph.ops.rollout import response_columns
+from rlgraph.ops.rollout.parts import response_columns
 
 FNS = str(Path(__file__).with_name("reward_fns.py"))
 GEN_OUT = {c: stages.COLUMNS[c] for c in ("prompts", "responses", "response_mask", "input_ids", "attention_mask",

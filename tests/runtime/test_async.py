@@ -19,7 +19,7 @@ STALE = "update_actor/actor_metrics/staleness_"
 
 
 def test_the_update_refuses_samples_older_than_max_staleness():
-    from rlgraph.ops.actor import ActorWorker, StalenessError
+    from rlgraph.ops.train.actor import ActorWorker, StalenessError
 
     worker = ActorWorker.__new__(ActorWorker)  # the guard alone: no model needed
     worker.policy_version, worker.max_staleness = 5, 1

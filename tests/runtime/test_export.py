@@ -143,7 +143,7 @@ def test_vllm_loads_the_exported_policy_and_generates_as_transformers(trained, t
     pytest.importorskip("vllm", reason="vLLM is not installed: bash scripts/setup.sh --vllm=cpu")
     from transformers import AutoModelForCausalLM
 
-    from rlgraph.ops.vllm_rollout import VLLMEngine
+    from rlgraph.ops.rollout.vllm_engine import VLLMEngine
 
     run_dir, _ = trained
     path = export_model(run_dir, tmp_path / "policy").out_dir

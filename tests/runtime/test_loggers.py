@@ -19,7 +19,8 @@ from rlgraph.errors import ConfigError
 from rlgraph.graph.dsl import LOGGERS, parse_loggers
 from rlgraph.graph.loader import load_pipeline
 from rlgraph.runtime.loggers import RUNS_FILE, WandbLogger, wandb_mode
-from rlgraph.runtime.progress import FaultReporter, LogReporter, make_reporter
+from rlgraph.runtime.progress import FaultReporter, LogReporter
+from rlgraph.runtime.reporting import make_reporter
 
 PIPELINE = str(Path(__file__).parents[1] / "resources" / "tensor_pipeline.py")
 RLGRAPH = str(Path(sys.executable).with_name("rlgraph"))
@@ -333,7 +334,8 @@ def test_rlgraph_run_logs_to_tensorboard_and_mlflow_what_it_writes_to_metrics_js
 
 
 def test_a_tracker_that_fails_mid_run_is_left_out_and_the_others_go_on(capsys):
-    from rlgraph.runtime.progress import Reporter, _Many
+    from rlgraph.runtime.reporter import Reporter
+    from rlgraph.runtime.reporting import _Many
 
     class Broken(Reporter):
         def step_done(self, record):

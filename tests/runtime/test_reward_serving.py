@@ -29,7 +29,7 @@ def _run(plan, out, plane, **kw):
 
 def _odd_rows(plan, seed=0):
     """Ground truths of step 0's samples, as the source will produce them (same seed)."""
-    from rlgraph.ops.data import PromptSource
+    from rlgraph.ops.data.prompts import PromptSource
 
     src = PromptSource(plan.config["data"], seed=seed)
     batch = src.next_batch(plan.batch.batch_size)

@@ -51,21 +51,21 @@ def _drive(plan, steps, seed=None):
                     window.holds(*gate.sync)
                     synced = True
                 else:
-                    window.live[gate.step].open(gate.op)
-        for s in sorted(window.live):
-            for call in window.live[s].next_calls():
+                    window.live[gate.key].open(gate.op)
+        for key in sorted(window.live):
+            for call in window.live[key].next_calls():
                 op = plan.op(call.chunk.op)
                 if op.state_inputs:
-                    reads.append((s, op.name, window.held[("policy_weights", "rollout")] if op.group == "rollout"
+                    reads.append((key.step, op.name, window.held[("policy_weights", "rollout")] if op.group == "rollout"
                                   else "own"))
-                running.append((s, call))
+                running.append((key, call))
         if list(window.pop_done()):
             continue
         assert running, f"stalled: { {s: window.live[s].unfinished() for s in window.live} }"
-        s, call = running.pop(rng.randrange(len(running)) if seed is not None else 0)
-        sched = window.live[s]
+        key, call = running.pop(rng.randrange(len(running)) if seed is not None else 0)
+        sched = window.live[key]
         if sched.call_done(call) and sched.op_finished(call.chunk.op):
-            window.produced(call.chunk.op, s)
+            window.produced(call.chunk.op, key.step)
     return reads, most
 
 
@@ -95,7 +95,7 @@ def test_a_stateful_group_runs_its_steps_in_order():
     uids = [u for u in range(4) for _ in range(2)]
     for t in range(3):
         window.admit(t, StepScheduler(plan, uids, [False] * 8, t, slots=slots, gated=window.gated_ops()))
-    opened = {(g.step, g.op) for g in window.gates() if g.sync is None}
+    opened = {(g.key.step, g.op) for g in window.gates() if g.sync is None}
     # step 0 may start everything; the rollout of steps 1 and 2 waits for generate of the step before,
     # old_logprob of step 1 for update_actor of step 0
     assert (0, "generate") in opened and (0, "old_logprob") in opened

@@ -2,7 +2,8 @@
 estimators, KL penalties and controllers, and the PPO losses (BRIEF section 3).
 
 No Ray, no models: every function takes `[b, T]` tensors over response tokens and is tested
-against values worked out by hand.
+against values worked out by hand. `advantage_op` holds the advantage op's body
+(`AdvantageWorker`: KL in the reward, then the estimator); it is not imported here.
 """
 
 from rlgraph.ops.algos.advantages import (

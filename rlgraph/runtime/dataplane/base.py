@@ -45,6 +45,7 @@ __all__ = [
     "DataPlane",
     "DataPlaneHandle",
     "assemble_rows",
+    "dead_actors",
     "payload_bytes_in_this_process",
 ]
 
@@ -285,3 +286,20 @@ class DataPlane(DataPlaneClient):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def dead_actors(actors: dict[str, object]) -> list[str]:
+    """The names of those `actors` (name -> Ray actor handle) that Ray's control store (GCS)
+    records as dead: a lookup per actor, no call into it, so a busy actor is never mistaken for
+    a dead one and a dead one is seen within a poll, not after a request's timeout."""
+    from ray._private import state  # the GCS actor table; ray.util.state would need the dashboard
+
+    dead = []
+    for name, handle in actors.items():
+        try:
+            info = state.actors(actor_id=handle._actor_id.hex())  # type: ignore[attr-defined]
+        except Exception:  # the GCS is unreachable: the run's own waits will say so
+            continue
+        if info and info.get("State") == "DEAD":
+            dead.append(name)
+    return dead

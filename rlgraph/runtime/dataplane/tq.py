@@ -74,9 +74,9 @@ from rlgraph.runtime.dataplane.base import (  # noqa: E402
     _nbytes,
     assemble_rows,
     count_locality,
+    dead_actors,
     row_nbytes,
 )
-from rlgraph.runtime.cluster import dead_actors  # noqa: E402
 
 __all__ = [
     "TransferQueueConfig",

@@ -1,0 +1,178 @@
+"""The rule-based reward op: decode responses, score them concurrently, put the score on the last token.
+
+The scoring function has verl's signature, ``compute_score(data_source, solution_str,
+ground_truth, extra_info=None) -> float | dict`` (a dict carries ``"score"`` and extras), and is
+named by ``reward.fn`` as ``module:function``, so existing verl reward code drops in. Samples
+of a call are scored concurrently (`rlgraph.ops.reward.scorer`: threads, a process pool, or an event
+loop for ``async def`` functions), each under ``timeout_s``. Padding rows score 0 and are never
+passed to the function.
+
+A sample whose function raises or runs out of time carries the error in its extras
+(``reward_error``) and is then handled by ``on_error``: ``fail`` fails the step naming the
+samples, ``zero`` scores it 0, ``drop_group`` scores it 0 and drops its whole group from
+training (counted under ``samples/dropped/reward_error`` or ``.../reward_timeout``).
+
+The op's outputs are, in declaration order: the score column (token level), the extras column,
+the metrics column, so the same body serves the single reward (``token_level_scores``) and a
+named source of a mixed reward (e.g. ``rule_scores``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlgraph.ops.context import section
+from rlgraph.ops.models import char_tokenizer, load_tokenizer
+from rlgraph.ops.names import ON_ERROR
+from rlgraph.ops.reward.functions import RewardFnError
+from rlgraph.ops.reward.scorer import RewardScorer
+
+__all__ = ["RewardWorker", "combine_rewards", "overlong_penalty", "overlong_penalties"]
+
+
+
+class RewardWorker:
+    def setup(self, ctx: Any) -> None:
+        self.default_tokenizer = section(ctx, "data").get("tokenizer") or section(ctx, "actor").get("model_path")
+        self.tokenizers: dict[str, Any] = {}
+        self.scorers: dict[tuple, RewardScorer] = {}
+
+    def _tokenizer(self, path: str) -> Any:
+        """`path`'s tokenizer; with none configured anywhere, the built-in character tokenizer
+        (what the data source encodes prompts with when data.tokenizer is empty)."""
+        path = path or self.default_tokenizer or ""
+        if path not in self.tokenizers:
+            self.tokenizers[path] = load_tokenizer(path) if path else char_tokenizer()
+        return self.tokenizers[path]
+
+    def compute_reward(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                       data_source: list, ground_truth: list, extra_info: list, *, fn: str, executor: str,
+                       concurrency: int, timeout_s: float, on_error: str, tokenizer: str, ctx: Any) -> dict[str, Any]:
+        if on_error not in ON_ERROR:
+            raise RewardFnError(f"{ctx.op}.on_error={on_error!r}; use one of {', '.join(ON_ERROR)}")
+        key = (fn, executor, int(concurrency), float(timeout_s))
+        if key not in self.scorers:
+            self.scorers[key] = RewardScorer(fn, executor=executor, concurrency=concurrency, timeout_s=timeout_s)
+        scorer = self.scorers[key]
+        lengths = ctx.lengths["response_len"]
+        rows = len(lengths)
+        real = [i for i in range(rows) if not ctx.is_padding[i]]
+        tok = self._tokenizer(tokenizer)
+        texts = [tok.decode(responses[i, :lengths[i]].tolist(), skip_special_tokens=True) for i in real]
+        outcomes = scorer.score([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
+                                [extra_info[i] for i in real])
+        failed = [(i, o) for i, o in zip(real, outcomes) if o.error is not None]
+        if failed and on_error == "fail":
+            shown = "; ".join(f"row {i} (data_source={data_source[i]!r}): {o.error}" for i, o in failed[:3])
+            raise RewardFnError(
+                f"reward function {fn!r} failed on {len(failed)} of {len(real)} samples: {shown}"
+                f"{' ...' if len(failed) > 3 else ''}. Fix the function, or set {ctx.op}.on_error=zero (score "
+                f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
+        score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
+        token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
+        reward_extra: list[dict] = [{} for _ in range(rows)]
+        for i, o in zip(real, outcomes):
+            reward_extra[i] = dict(o.extra)
+            if o.error is not None:
+                reward_extra[i]["reward_error"] = o.error
+                if on_error == "drop_group":
+                    ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
+                continue
+            if lengths[i] > 0:
+                token_level_scores[i, lengths[i] - 1] = float(o.score)  # on the last response token
+        restarted = scorer.restarted
+        scorer.restarted = 0
+        metrics = {
+            "scored_count": len(real),
+            "process_restarts": restarted,
+            "error_count": sum(1 for _, o in failed if not o.timed_out),
+            "timeout_count": sum(1 for _, o in failed if o.timed_out),
+        }
+        return {score_col: token_level_scores, extra_col: reward_extra, metrics_col: metrics}
+
+    def close(self) -> None:
+        for scorer in self.scorers.values():
+            scorer.close()
+
+
+def overlong_penalties(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response length (verl's DAPO reward manager):
+    ``min(-(L - (max_len - buffer_len)) / buffer_len * factor, 0)``: 0 up to ``max_len -
+    buffer_len`` tokens, then falling linearly to ``-factor`` at ``max_len``."""
+    if not 1 <= buffer_len <= max_len:
+        raise ValueError(f"overlong buffer_len={buffer_len} must be between 1 and the maximum response length "
+                         f"{max_len}; lower buffer_len or raise rollout.max_new_tokens")
+    expected = max_len - buffer_len
+    exceed = lengths.float() - expected
+    return torch.clamp(-exceed / buffer_len * factor, max=0.0)
+
+
+def overlong_penalty(response_mask: torch.Tensor, *, score_column: str, buffer_len: int, penalty_factor: float,
+                     max_response_length: int, ctx: Any, **inputs: Any) -> dict[str, Any]:
+    """Body of `stages.overlong_penalty`: ``token_level_scores = <score_column> + penalty`` on each
+    response's last token."""
+    max_len = int(max_response_length) or int(section(ctx, "rollout").get("max_new_tokens", 0))
+    if max_len <= 0:
+        raise ValueError(f"{ctx.op}: no maximum response length: set {ctx.op}.max_response_length or "
+                         f"rollout.max_new_tokens")
+    scores = inputs[score_column].float()
+    mask = response_mask[:, :scores.shape[1]].to(scores.dtype)
+    lengths = mask.sum(dim=1)
+    penalty = overlong_penalties(lengths, max_len, int(buffer_len), float(penalty_factor))
+    real = torch.tensor([not p for p in ctx.is_padding], dtype=torch.bool) & (lengths > 0)
+    out = scores.clone()
+    last = (lengths.long() - 1).clamp(min=0)
+    rows = torch.arange(len(out))[real]
+    out[rows, last[real]] += penalty[real]
+    n = int(real.sum())
+    metrics = {"penalised_frac": float((penalty[real] < 0).float().mean()) if n else 0.0,
+               "penalty_mean": float(penalty[real].mean()) if n else 0.0}
+    return {ctx.outputs[0]: out, ctx.outputs[1]: metrics}
+
+
+def filter_groups(uid: torch.Tensor, *, score_column: str, metric_column: str, min_std: float, ctx: Any,
+                  **inputs: Any) -> dict[str, Any]:
+    """Body of `stages.filter_groups`: drop each group whose metric (per-sample sum of
+    ``metric_column``) has a population std of at most `min_std`, as verl's filter keeps a prompt
+    when ``np.std(metric_vals) > 0`` or it has a single sample."""
+    metric = inputs[metric_column].double().sum(dim=1)  # [b]; float64: equal scores give a std of exactly 0
+    real = [i for i, pad in enumerate(ctx.is_padding) if not pad]
+    members: dict[int, list[int]] = {}
+    for i in real:
+        members.setdefault(int(uid[i]), []).append(i)
+    dropped = 0
+    for rows in members.values():
+        vals = metric[rows]
+        alike = bool(vals.max() == vals.min()) if min_std == 0 else float(vals.std(unbiased=False)) <= min_std
+        if len(rows) > 1 and alike:
+            ctx.drop(rows[0], "zero_variance", group=True)
+            dropped += 1
+    metrics = {"groups_count": len(members), "kept_groups_count": len(members) - dropped,
+               "dropped_groups_count": dropped}
+    return {ctx.outputs[0]: inputs[score_column].clone(), ctx.outputs[1]: metrics}
+
+
+def combine_rewards(response_mask: torch.Tensor, *, ctx: Any, **inputs: Any) -> dict[str, Any]:
+    """Body of `stages.combine_rewards`: ``sum_k w_k * scores_k`` over the score columns, token by token
+    (each source carries its score on the last response token). Params are ``w_<column>``."""
+    weights = {k[2:]: float(v) for k, v in inputs.items() if k.startswith("w_")}
+    missing = [c for c in weights if c not in inputs]
+    if missing:
+        raise RewardFnError(f"{ctx.op}: weights given for {missing}, but the op did not receive those columns")
+    rows = len(ctx.is_padding)
+    width = max(ctx.lengths.get("response_len", (0,)), default=0)
+    total = torch.zeros((rows, width), dtype=torch.float32)
+    real = torch.tensor([not p for p in ctx.is_padding], dtype=torch.bool)
+    metrics: dict[str, Any] = {}
+    for col, w in weights.items():
+        scores = inputs[col].float()[:, :width]
+        if scores.shape[1] < width:
+            scores = torch.nn.functional.pad(scores, (0, width - scores.shape[1]))
+        total += w * scores
+        per_row = scores.sum(dim=1)[real]
+        if per_row.numel():
+            metrics[col] = {"mean": float(per_row.mean()), "weight": w}
+    score_col, metrics_col = ctx.outputs[0], ctx.outputs[1]
+    return {score_col: total, metrics_col: metrics}

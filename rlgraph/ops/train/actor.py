@@ -1,0 +1,341 @@
+"""The policy worker: generation, old log-probs, reference log-probs and the PPO update.
+
+One `ActorWorker` per data-parallel rank of its group. When generate, old_logprob and
+update_actor share a group (colocation, like verl's actor_rollout_ref), they share one model:
+the update changes the weights generation uses, with no copy. When generation runs in a group
+of its own, it loads the ``policy_weights`` state column each step (the runtime moves it
+between groups through Ray).
+
+Generation runs on transformers (``rollout.backend=hf``) or on a vLLM engine of this rank
+(``vllm``, started on the first generate call). The engine holds its own copy of the weights:
+before it generates, it is given the model's current weights whenever they changed (an update
+here, weights from another group, a restored checkpoint), in place; ``rollout_metrics`` report
+the time and bytes. On a GPU shared with the update, the engine sleeps during the update.
+
+Log-probs are computed at the rollout temperature (``rollout.temperature``), as the sampler saw
+the distribution; the model path is ``actor.model_path`` (``rollout.model_path`` for a
+generation-only group, ``ref.model_path`` for the reference, defaulting to the actor's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from rlgraph.errors import InvariantError
+from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, gspo_policy_loss, kl_loss,
+                               logprobs_from_logits, masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
+from rlgraph.ops.context import section
+from rlgraph.ops.models import load_causal_lm, load_tokenizer
+from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
+from rlgraph.ops.train.sequences import pack, response_logits, split_rows
+from rlgraph.ops.train.update import TrainerMixin, kept_rows
+
+__all__ = ["ActorWorker", "StalenessError"]
+
+
+class StalenessError(InvariantError):
+    """The update was given samples from a policy more than trainer.max_staleness versions older
+    than its own: the runtime's cross-step order is broken (a bug), never silently trained on."""
+
+_ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "cpu_kv_cache_gb", "enforce_eager",
+                   "sleep_mode")
+
+
+class ActorWorker(TrainerMixin):
+    """Policy model on one rank; reference model loaded on first use; a vLLM engine on demand."""
+
+    def setup(self, ctx: Any) -> None:
+        self.ctx = ctx
+        actor, rollout = section(ctx, "actor"), section(ctx, "rollout")
+        self.model_path = actor.get("model_path") or rollout.get("model_path")
+        if not self.model_path:
+            raise ValueError("no model: set actor.model_path (or rollout.model_path) to a local Hugging Face "
+                             "model directory")
+        self.temperature = float(rollout.get("temperature", 1.0)) or 1.0
+        self.seed = int(section(ctx, "trainer").get("seed", 0))
+        torch.manual_seed(self.seed)
+        self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
+        self.model = load_causal_lm(self.model_path)
+        self.model.eval()
+        self.ref_model = None
+        # weights made by any rank of this group are ours: DDP keeps the replicas identical, so
+        # only a generation-only group (another name) loads policy_weights
+        self.id = ctx.group
+        # the one version counter: updates the model's weights have seen (0: the weights at
+        # model_path); generate writes it into each sample's policy_version column
+        self.policy_version = 0
+        self.max_staleness = int(section(ctx, "trainer").get("max_staleness", 0))
+        self.backend = rollout.get("backend", "hf")
+        self.rollout_options = {k: rollout[k] for k in _ENGINE_OPTIONS if k in rollout}
+        self.rollout_engine: Any = None  # a VLLMEngine, started on the first generate call
+        self.engine_holds: int | None = None  # the policy_version the engine holds (None: unknown, sync it)
+        self.init_trainer(ctx)
+
+    # ------------------------------------------------------------------ weights
+    def _sync(self, policy_weights: Mapping[str, Any] | None) -> None:
+        """Load weights produced by an update in another group (a no-op when they are ours)."""
+        if not policy_weights or policy_weights.get("owner") == self.id:
+            return
+        # the runtime hands each step exactly the weights it must use (rlgraph.runtime.window): with
+        # steps in flight, or after a restore, they may be older than the ones loaded last. Each kept
+        # version was written by an update, so two versions never share a policy_version
+        if int(policy_weights["policy_version"]) != self.policy_version:
+            self.model.load_state_dict(policy_weights["state"])
+            self.policy_version = int(policy_weights["policy_version"])
+
+    def _weights(self, step: int) -> dict[str, Any]:
+        """The policy_weights state column: the weights, their version, and the step that wrote them."""
+        return {"step": step, "policy_version": self.policy_version, "owner": self.id,
+                "state": self.model.state_dict()}
+
+    def _engine_ready(self, rank: int) -> dict[str, float]:
+        """Start the vLLM engine if needed, wake it, give it the current weights; what it cost."""
+        from rlgraph.ops.rollout.vllm_engine import VLLMEngine
+
+        metrics: dict[str, float] = {}
+        if self.rollout_engine is None or self.rollout_engine.ensure_running():
+            if self.rollout_engine is None:
+                self.rollout_engine = VLLMEngine(self.model_path, rank=rank, seed=self.seed, **self.rollout_options)
+            self.engine_holds = 0  # a fresh engine holds the weights at model_path
+            metrics["engine_start_s"] = self.rollout_engine.start_s
+        self.rollout_engine.wake_up()
+        metrics["weight_sync_s"], metrics["weight_sync_bytes"] = 0.0, 0.0
+        if self.engine_holds != self.policy_version:
+            t0 = time.time()
+            metrics["weight_sync_bytes"] = float(self._to_engine())
+            metrics["weight_sync_s"] = time.time() - t0
+        return metrics
+
+    def _to_engine(self) -> int:
+        """Give the engine the model's weights, labelled with their policy version; bytes sent."""
+        sent = self.rollout_engine.load_weights(self.model.state_dict(), label=self.policy_version)
+        self.engine_holds = self.policy_version
+        return sent
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_ids: torch.Tensor, policy_weights: Mapping[str, Any] | None = None, *,
+                 temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_token_ids: str,
+                 micro_batch_size: int, partial: bool = False, ctx: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """All of this rank's prompts; yields each finished part (a group on vLLM, a micro-batch on hf).
+        With `partial`, newer policy weights that reach this worker while it generates are loaded at
+        once (vLLM: between engine steps; hf: between micro-batches)."""
+        self._sync(policy_weights)
+        t0 = time.time()
+        prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
+        sampling = dict(n=ctx.group_size, seed=ctx.seed, temperature=temperature, top_p=top_p, top_k=top_k,
+                        max_new_tokens=max_new_tokens, stop_token_ids=parse_token_ids(stop_token_ids),
+                        logprobs="rollout_log_probs" in ctx.wanted)
+        metrics: dict[str, float] = {}
+        swaps = {"n": 0, "s": 0.0, "bytes": 0.0}
+
+        def refresh() -> bool:
+            t = time.time()
+            if not self._take_newer(ctx):
+                return False
+            if self.backend == "vllm":
+                swaps["bytes"] += self._to_engine()
+            swaps["n"] += 1
+            swaps["s"] += time.time() - t
+            return True
+
+        if self.backend == "vllm":
+            metrics.update(self._engine_ready(ctx.rank))
+            parts = vllm_parts(self.rollout_engine, prompts, ctx.is_padding, self.tokenizer.eos_token_id,
+                               refresh=refresh if partial else None, **sampling)
+        else:
+            parts = hf_parts(self.model, self.tokenizer, prompts, ctx.is_padding, micro_batch_size=micro_batch_size,
+                             refresh=refresh if partial else None, **sampling)
+        tokens = n_parts = spanning = real = 0
+        for rows, cols in parts:
+            # the policy version of each response's first and last token (vLLM labels every token)
+            versions = cols.pop(VERSIONS, None) or [(self.policy_version, self.policy_version)] * len(rows)
+            cols["policy_version"] = torch.tensor([a for a, _ in versions], dtype=torch.int64)
+            cols["policy_version_end"] = torch.tensor([b for _, b in versions], dtype=torch.int64)
+            for j, pos in enumerate(rows):
+                if not ctx.is_padding[pos]:
+                    tokens += len(cols["responses"][j])
+                    real += 1
+                    spanning += versions[j][0] != versions[j][1]
+            n_parts += 1
+            yield rows, cols
+        seconds = time.time() - t0
+        metrics.update(generate_s=seconds, parts=float(n_parts), response_tokens_count=float(tokens),
+                       tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        if partial:
+            metrics.update(partial_swaps=float(swaps["n"]), partial_swap_s=swaps["s"],
+                           partial_swap_bytes=swaps["bytes"], partial_frac=spanning / real if real else 0.0)
+        return {"rollout_metrics": metrics}
+
+    def _take_newer(self, ctx: Any) -> bool:
+        """Partial rollout: load policy weights imported into this worker while the call runs, if
+        they are newer than the loaded ones and this step may read them (written before it)."""
+        w = ctx.state.get("policy_weights")
+        if not w or w.get("owner") == self.id:
+            return False
+        if int(w["policy_version"]) <= self.policy_version or int(w["step"]) > ctx.step - 1:
+            return False
+        self._sync(w)
+        return True
+
+    # ------------------------------------------------------------------ forward passes
+    @torch.no_grad()
+    def _log_probs(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   ctx: Any, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        prompts, responses = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
+        packed = pack(prompts, responses, self.tokenizer.pad_token_id)
+        logits = response_logits(model, packed, self.temperature)
+        logp = logprobs_from_logits(logits, packed.input_ids[:, packed.prompt_width:])
+        ent = entropy_from_logits(logits) if with_entropy else None
+        return logp * packed.response_mask, ent
+
+    def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                         responses: torch.Tensor, response_mask: torch.Tensor,
+                         policy_weights: Mapping[str, Any] | None = None,
+                         rollout_log_probs: torch.Tensor | None = None, *, compare_rollout: bool,
+                         ctx: Any) -> dict[str, Any]:
+        self._sync(policy_weights)
+        logp, ent = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=True)
+        metrics: dict[str, float] = {}
+        if compare_rollout and rollout_log_probs is not None:
+            R = logp.shape[1]
+            mask = response_mask[:, :R].long() * kept_rows(ctx)
+            diff = rollout_probs_diff(logp, rollout_log_probs[:, :R].float(), mask)
+            metrics = {"rollout_probs_diff_mean": diff.mean, "rollout_probs_diff_max": diff.max}
+        return {"old_log_probs": logp, "entropy": ent, "old_logprob_metrics": metrics}
+
+    def compute_ref_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                             responses: torch.Tensor, response_mask: torch.Tensor, *, model_path: str = "",
+                             ctx: Any) -> dict[str, Any]:
+        if self.ref_model is None:
+            path = model_path or self.model_path
+            self.ref_model = load_causal_lm(path)
+            self.ref_model.eval()
+            self.ref_model.requires_grad_(False)
+        logp, _ = self._log_probs(self.ref_model, input_ids, attention_mask, ctx, with_entropy=False)
+        return {"ref_log_prob": logp}
+
+    # ------------------------------------------------------------------ update
+    def update_actor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     responses: torch.Tensor, response_mask: torch.Tensor, old_log_probs: torch.Tensor,
+                     advantages: torch.Tensor, ref_log_prob: torch.Tensor | None = None,
+                     rollout_log_probs: torch.Tensor | None = None, policy_version: torch.Tensor | None = None,
+                     policy_version_end: torch.Tensor | None = None, *, lr: float,
+                     weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
+                     loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                     loss_mode: str,
+                     entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
+                     tis_cap: float, decoupled_cap: float, ctx: Any) -> dict[str, Any]:
+        if self.rollout_engine is not None:
+            self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
+        prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
+        packed = pack(prompts, resp, self.tokenizer.pad_token_id)
+        R = packed.response_width
+        # padding rows have response_mask 0, and rows dropped this step (e.g. a failed reward) arrive
+        # tagged as padding: no loss, no gradient, not in the token counts
+        mask = packed.response_mask * response_mask[:, :R].to(packed.response_mask.dtype) * kept_rows(ctx, packed.response_mask.dtype)
+        batch = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
+                 "position_ids": packed.position_ids, "response_mask": mask,
+                 "old_log_probs": old_log_probs[:, :R], "advantages": advantages[:, :R]}
+        if use_kl_loss:
+            batch["ref_log_prob"] = ref_log_prob[:, :R]
+        staleness = self._staleness(policy_version, policy_version_end, ctx)
+        if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
+            batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
+        if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
+            w, keep = decoupled_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), decoupled_cap)
+            kept_before = mask.sum()
+            batch["is_weights"] = w
+            batch["response_mask"] = mask = mask * keep.to(mask.dtype)
+            staleness["behaviour_dropped_frac"] = float(1 - mask.sum() / kept_before) if kept_before > 0 else 0.0
+        P, temperature = packed.prompt_width, self.temperature
+
+        def loss_fn(model, mb, global_tokens, global_seqs):
+            out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                        position_ids=mb["position_ids"], use_cache=False)
+            logits = out.logits[:, P - 1:P - 1 + R, :].float() / temperature
+            logp = logprobs_from_logits(logits, mb["input_ids"][:, P:])
+            m = mb["response_mask"]
+            if loss_mode == "gspo":  # sequence-level ratio, aggregated seq-mean-token-mean
+                pg = gspo_policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
+                                      clip_ratio_high=clip_ratio_high, global_seqs=global_seqs,
+                                      is_weights=mb.get("is_weights"))
+            else:
+                pg = policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
+                                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, agg_mode=loss_agg_mode,
+                                 global_tokens=global_tokens, global_seqs=global_seqs,
+                                 is_weights=mb.get("is_weights"))
+            loss = pg.loss
+            # metrics as local means: the engine averages them over micro-batches (the loss itself is
+            # normalised by the global token count, so it sums instead)
+            pg_agg = "seq-mean-token-mean" if loss_mode == "gspo" else loss_agg_mode
+            metrics = {"pg_loss": float(agg_loss(pg.pg_losses.detach(), m, pg_agg)),
+                       "pg_clipfrac": float(pg.clipfrac), "ppo_kl": float(pg.approx_kl)}
+            if "is_weights" in mb:  # truncated IS or decoupled PPO's behaviour weights
+                key = "behaviour_weight_mean" if decoupled_cap > 0 else "tis_weight_mean"
+                metrics[key] = float(masked_mean(mb["is_weights"], m))
+            if entropy_coeff:
+                ent_mat = entropy_from_logits(logits)
+                loss = loss - entropy_coeff * agg_loss(ent_mat, m, loss_agg_mode, global_tokens, global_seqs)
+                metrics["entropy"] = float(agg_loss(ent_mat.detach(), m, loss_agg_mode))
+            if use_kl_loss:
+                kl = kl_loss(logp, mb["ref_log_prob"], m, kl_loss_type, loss_agg_mode,
+                             global_tokens=global_tokens, global_seqs=global_seqs)
+                loss = loss + kl_loss_coef * kl
+                metrics["kl_loss"] = float(kl_loss(logp.detach(), mb["ref_log_prob"], m, kl_loss_type,
+                                                   loss_agg_mode))
+            return loss, metrics
+
+        metrics = self.train(self.model, batch, loss_fn, ctx, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+                             lr_warmup_steps=lr_warmup_steps, backend=backend, zero_stage=zero_stage)
+        metrics = {**metrics, **staleness}
+        self.model.eval()
+        self.policy_version += 1  # the engine (if any) is given these weights before it generates again
+        return {"actor_metrics": metrics, "policy_weights": self._weights(ctx.step)}
+
+    def _staleness(self, policy_version: torch.Tensor | None, policy_version_end: torch.Tensor | None,
+                   ctx: Any) -> dict[str, float]:
+        """How many versions behind this policy the kept samples' generating policy is (mean, max; of
+        their first token, and the mean of their last token: partial rollout); a first token more
+        than trainer.max_staleness behind is refused."""
+        if policy_version is None:
+            return {}
+        kept = kept_rows(ctx)[:, 0].bool()
+        lag = (self.policy_version - policy_version.to(torch.int64))[kept]
+        if lag.numel() == 0:
+            return {}
+        worst = int(lag.max())
+        if worst > self.max_staleness or int(lag.min()) < 0:
+            versions = sorted(set(policy_version[kept].tolist()))
+            raise StalenessError(
+                f"update_actor at step {ctx.step}: samples generated by policy versions {versions}, "
+                f"this policy is version {self.policy_version}; trainer.max_staleness={self.max_staleness} allows "
+                f"{max(self.policy_version - self.max_staleness, 0)}..{self.policy_version}. This is a runtime bug: "
+                f"please report it with the plan file")
+        out = {"staleness_mean": float(lag.float().mean()), "staleness_max": float(worst)}
+        if policy_version_end is not None:
+            end = policy_version_end.to(torch.int64)[kept]
+            if bool((end < policy_version.to(torch.int64)[kept]).any()) or int(end.max()) > self.policy_version:
+                raise StalenessError(f"update_actor at step {ctx.step}: a sample's policy_version_end is below its "
+                                     f"policy_version or above this policy's version {self.policy_version}. This is "
+                                     f"a runtime bug: please report it with the plan file")
+            out["staleness_end_mean"] = float((self.policy_version - end).float().mean())
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "trainer": self.trainer_state(),
+                "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.load_trainer_state(state.get("trainer"))
+        self.policy_version = int(state["policy_version"])
+        self.engine_holds = None  # the engine may hold weights of a run since abandoned: give it these
+
+    def close(self) -> None:
+        if self.rollout_engine is not None:
+            self.rollout_engine.close()
+

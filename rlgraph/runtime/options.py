@@ -1,0 +1,35 @@
+"""How to run a plan: the options of `rlgraph run`, as the runner takes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from rlgraph.runtime.recovery import Fault
+
+if TYPE_CHECKING:
+    from rlgraph.runtime.reporter import Reporter
+
+__all__ = ["RunOptions"]
+
+
+@dataclass
+class RunOptions:
+    """How to run a plan (the CLI's flags)."""
+
+    out_dir: Path = Path("runs/latest")
+    steps: int | None = None  # default: the plan's trainer.steps
+    schedule: str | None = None  # default: the plan's trainer.schedule
+    address: str | None = None
+    resume: bool = False
+    timeout_s: float = 600.0  # longest wait for any single result
+    dataplane: str | None = None  # default: the plan's dataplane.backend
+    reporter: Reporter | None = None  # default: none
+    # called once Ray is up: ray.init replaces the driver's SIGTERM handler, the CLI puts its own back
+    on_ray_started: Callable[[], None] | None = None
+    max_retries: int | None = None  # default: the plan's trainer.max_retries
+    faults: list[Fault] = field(default_factory=list)  # fault injection (tests)
+    verbose: bool = False  # the actors' own output (Ray, engines) on this terminal; long waits logged
+    trace_steps: int = 200  # trace.json and timeline.svg show the op calls of the last this many steps (0: all)
+    keep_records: bool = True  # run() returns every step's record (metrics.jsonl has them all either way)

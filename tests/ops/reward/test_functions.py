@@ -1,0 +1,208 @@
+"""Rule-based rewards: the built-in scorer, loading user functions, and batch scoring."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+import torch
+
+from rlgraph.errors import RLGraphError
+from rlgraph.ops.data import tasks
+from rlgraph.ops.reward import functions as rewards
+from rlgraph.ops.reward.functions import (RewardFnError, UnknownDataSourceError, compute_score, load_reward_fn,
+                                          score_batch)
+
+
+@pytest.mark.parametrize("solution, expected", [
+    ("7", 1.0),
+    (" 7\n", 1.0),  # surrounding whitespace is not part of the answer
+    ("7<eos><pad><pad>", 1.0),  # special tokens left in by decode(skip_special_tokens=False)
+    ("7<|user|>9", 1.0),  # the model started a new turn: only its answer counts
+    ("77", 0.0),
+    ("7 is it", 0.0),
+    ("8", 0.0),  # no partial credit for a near miss
+    ("", 0.0),
+    ("<eos>7", 0.0),
+])
+def test_compute_score_is_exact_match_of_the_parsed_answer(solution, expected):
+    assert compute_score("add", solution, "7") == expected
+
+
+def test_compute_score_accepts_extra_info_and_every_task():
+    for name in tasks.TASKS:
+        row = tasks.make_rows(name, 1, seed=0)[0]
+        gt = row["reward_model"]["ground_truth"]
+        assert compute_score(name, gt, gt, row["extra_info"]) == 1.0
+        assert compute_score(data_source=name, solution_str=gt + "x", ground_truth=gt) == 0.0
+
+
+def test_compute_score_names_the_known_data_sources():
+    with pytest.raises(UnknownDataSourceError, match=r"no scorer for data_source='gsm8k'; it knows add, count.*"
+                                                     r"reward.fn="):
+        compute_score("gsm8k", "7", "7")
+    assert issubclass(UnknownDataSourceError, RLGraphError)
+
+
+def _module(tmp_path, monkeypatch, source: str, name: str = "my_rewards") -> str:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_load_reward_fn_imports_the_builtin_and_user_functions(tmp_path, monkeypatch):
+    assert load_reward_fn("rlgraph.ops.reward.functions:compute_score") is compute_score
+    mod = _module(tmp_path, monkeypatch, """
+        def score(data_source, solution_str, ground_truth, extra_info=None):
+            return {"score": float(solution_str == ground_truth), "length": len(solution_str)}
+
+        def needs_extra(data_source, solution_str, ground_truth, extra_info):
+            return 0.0
+
+        def kwargs_style(data_source, solution_str, ground_truth, **kwargs):
+            return 0.0
+    """, "rewards_ok")
+    assert load_reward_fn(f"{mod}:score")("d", "a", "a") == {"score": 1.0, "length": 1}
+    load_reward_fn(f"{mod}:needs_extra")  # verl always passes extra_info, so no default is needed
+    load_reward_fn(f"{mod}:kwargs_style")
+    fn = load_reward_fn(f"{tmp_path / 'rewards_ok.py'}:score")  # a file path, as verl's custom_reward_function
+    assert fn("d", "a", "b")["score"] == 0.0
+
+
+def test_load_reward_fn_errors_name_the_problem_and_the_fix(tmp_path, monkeypatch):
+    mod = _module(tmp_path, monkeypatch, """
+        def three(data_source, solution_str, ground_truth):
+            return 1.0
+
+        def renamed(source, response, answer, extra_info=None):
+            return 1.0
+
+        NOT_A_FUNCTION = 3
+    """, "rewards_bad")
+    with pytest.raises(RewardFnError, match="not of the form 'module:function'"):
+        load_reward_fn("rlgraph.ops.reward.functions")
+    with pytest.raises(RewardFnError, match="cannot import 'no_such_module_xyz'"):
+        load_reward_fn("no_such_module_xyz:score")
+    with pytest.raises(RewardFnError, match="file 'missing.py' does not exist"):
+        load_reward_fn("missing.py:score")
+    with pytest.raises(RewardFnError, match="module 'rewards_bad' has no attribute 'nope'"):
+        load_reward_fn(f"{mod}:nope")
+    with pytest.raises(RewardFnError, match=r"is not callable \(int 3\)"):
+        load_reward_fn(f"{mod}:NOT_A_FUNCTION")
+    (tmp_path / "broken.py").write_text("def score(:\n")
+    with pytest.raises(RewardFnError, match=r"cannot import .*broken.py.*SyntaxError"):
+        load_reward_fn(f"{tmp_path / 'broken.py'}:score")
+    with pytest.raises(RewardFnError, match=r"signature three\(data_source, solution_str, ground_truth\).*"
+                                            r"extra_info=None\)"):
+        load_reward_fn(f"{mod}:three")
+    with pytest.raises(RewardFnError, match=r"renamed\(source, response, answer.*Fix: define it as"):
+        load_reward_fn(f"{mod}:renamed")
+
+
+def test_score_batch_normalises_float_and_dict_returns():
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "dict":
+            return {"score": 0.5, "acc": True, "pred": solution_str}
+        if data_source == "tensor":
+            return torch.tensor(2.0)
+        return int(solution_str == ground_truth)  # ints and bools are scores too
+
+    scores, extras = score_batch(fn, ["plain", "dict", "tensor", "plain"], ["a", "b", "c", "x"],
+                                 ["a", "b", "c", "y"], [None, {"i": 1}, None, None])
+    assert scores == [1.0, 0.5, 2.0, 0.0] and all(isinstance(s, float) for s in scores)
+    assert extras == [{}, {"acc": True, "pred": "b"}, {}, {}]
+    assert score_batch(compute_score, ["add"], ["7<eos>"], ["7"]) == ([1.0], [{}])  # extra_infos optional
+    assert score_batch(compute_score, [], [], [], []) == ([], [])
+
+
+def test_score_batch_errors_name_the_sample():
+    def no_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"acc": 1.0}
+
+    def text(data_source, solution_str, ground_truth, extra_info=None):
+        return "1.0"
+
+    def nan(data_source, solution_str, ground_truth, extra_info=None):
+        return math.nan
+
+    with pytest.raises(RewardFnError, match=r"sample 0 \(data_source='add'\) returned a dict without 'score' "
+                                            r"\(keys \['acc'\]\)"):
+        score_batch(no_score, ["add"], ["7"], ["7"], [None])
+    with pytest.raises(RewardFnError, match="returned str '1.0'; return a float"):
+        score_batch(text, ["add"], ["7"], ["7"], [None])
+    with pytest.raises(RewardFnError, match="non-finite score nan"):
+        score_batch(nan, ["add"], ["7"], ["7"], [None])
+    with pytest.raises(RewardFnError, match="lists of different lengths"):
+        score_batch(compute_score, ["add", "add"], ["7"], ["7", "8"], [None, None])
+
+
+def test_parse_answer():
+    assert rewards.parse_answer("  12<eos>") == "12"
+    assert rewards.parse_answer("<pad>") == ""
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO's soft overlong punishment, max length 8, buffer 4, factor 1: no penalty up to 4 tokens,
+    then -(L - 4) / 4: L=6 -> -0.5, L=8 -> -1. On the last response token, added to the score."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlgraph.ops.reward.rule import overlong_penalties, overlong_penalty
+
+    torch.testing.assert_close(overlong_penalties(torch.tensor([3, 4, 6, 8]), 8, 4, 1.0),
+                               torch.tensor([0.0, 0.0, -0.5, -1.0]))
+    torch.testing.assert_close(overlong_penalties(torch.tensor([7]), 8, 4, 0.5), torch.tensor([-0.375]))
+    lengths = [3, 6, 8, 0]  # the last row is padding
+    mask = torch.tensor([[1] * n + [0] * (8 - n) for n in lengths])
+    scores = torch.zeros(4, 8)
+    scores[0, 2], scores[1, 5], scores[2, 7] = 1.0, 1.0, 0.0
+    ctx = SimpleNamespace(op="overlong", is_padding=[False, False, False, True],
+                          config={"rollout": {"max_new_tokens": 8}}, outputs=["token_level_scores", "overlong_metrics"])
+    out = overlong_penalty(mask, score_column="rule_scores", buffer_len=4, penalty_factor=1.0, max_response_length=0,
+                           ctx=ctx, rule_scores=scores)
+    want = scores.clone()
+    want[1, 5], want[2, 7] = 0.5, -1.0
+    torch.testing.assert_close(out["token_level_scores"], want)
+    assert out["overlong_metrics"] == pytest.approx({"penalised_frac": 2 / 3, "penalty_mean": -0.5})
+    with pytest.raises(ValueError, match="buffer_len=9 must be between 1 and the maximum response length 8"):
+        overlong_penalties(torch.tensor([3]), 8, 9, 1.0)
+
+
+def test_filter_groups_by_hand():
+    """Dynamic sampling's filter: groups 0 and 2 score alike within themselves (std 0: dropped),
+    group 1 varies (kept), group 3 has one sample (kept, as verl keeps it); padding is ignored.
+    With metric_column the variance is read from another column than the score passed on."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlgraph.ops.reward.rule import filter_groups
+
+    uid = torch.tensor([0, 0, 1, 1, 2, 2, 3, 9])
+    scores = torch.zeros(8, 3)
+    scores[:, -1] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    drops: list[tuple[int, str, bool]] = []
+    ctx = SimpleNamespace(is_padding=[False] * 7 + [True], outputs=["token_level_scores", "filter_groups_metrics"],
+                          drop=lambda i, reason, group=False: drops.append((i, reason, group)))
+    out = filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.0, ctx=ctx, raw=scores)
+    assert drops == [(0, "zero_variance", True), (4, "zero_variance", True)]
+    torch.testing.assert_close(out["token_level_scores"], scores)
+    assert out["filter_groups_metrics"] == {"groups_count": 4, "kept_groups_count": 2, "dropped_groups_count": 2}
+    # std of group 1 is 0.5: min_std=0.5 drops it too
+    drops.clear()
+    filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.5, ctx=ctx, raw=scores)
+    assert [d[0] for d in drops] == [0, 2, 4]
+    # the variance of another column: group 0 differs there, group 1 does not
+    other = torch.zeros(8, 3)
+    other[:, 0] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    drops.clear()
+    filter_groups(uid, score_column="raw", metric_column="acc", min_std=0.0, ctx=ctx, raw=scores, acc=other)
+    assert [d[0] for d in drops] == [2, 4]
+    # shaped scores such as 0.1 or -1/3 on every sample: alike, so dropped (a float32 std is about 1e-8 there)
+    shaped = torch.zeros(8, 3)
+    shaped[:, -1] = torch.tensor([0.1, 0.1, -1 / 3, -1 / 3, 0.6, 0.7, 1.0, 0.0])
+    drops.clear()
+    filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.0, ctx=ctx, raw=shaped)
+    assert [d[0] for d in drops] == [0, 2]

@@ -1,0 +1,144 @@
+"""RewardScorer: concurrent scoring, per-sample time limits from each sample's start, errors per sample."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rlgraph.ops.reward.functions import RewardFnError
+from rlgraph.ops.reward.scorer import RewardScorer
+
+FNS = str(Path(__file__).parents[2] / "resources" / "reward_fns.py")
+GT = [str(i) for i in range(8)]  # odd ground truths: 1, 3, 5, 7
+
+
+def _score(scorer, gts=GT):
+    return scorer.score(["add"] * len(gts), gts, gts, None)
+
+
+def test_threads_score_concurrently_and_keep_extras():
+    s = RewardScorer(f"{FNS}:slow", executor="thread", concurrency=8)
+    t0 = time.monotonic()
+    out = _score(s)
+    assert time.monotonic() - t0 < 0.05 * 8  # 8 x 50 ms, run at once
+    assert [o.score for o in out] == [1.0] * 8 and all(o.extra == {"slow": 1.0} for o in out)
+
+
+def test_thread_timeout_counts_from_each_sample_start():
+    # concurrency 2: 8 samples of which 4 stall; the limit must not expire for samples still queued
+    s = RewardScorer(f"{FNS}:stall_on_odd", executor="thread", concurrency=2, timeout_s=0.3)
+    out = _score(s)
+    assert [o.timed_out for o in out] == [i % 2 == 1 for i in range(8)]
+    assert [o.score for o in out if not o.timed_out] == [1.0] * 4
+    assert all("reward.timeout_s=0.3" in o.error for o in out if o.timed_out)
+    assert s.abandoned_threads == 4
+
+
+def test_errors_are_per_sample():
+    s = RewardScorer(f"{FNS}:raise_on_odd", concurrency=3)
+    out = _score(s)
+    assert [o.error is not None for o in out] == [i % 2 == 1 for i in range(8)]
+    assert out[1].error == "ValueError: odd ground truth 1" and not out[1].timed_out
+    bad = _score(RewardScorer(f"{FNS}:not_a_number"), ["1"])[0]
+    assert bad.error.startswith("RewardFnError:") and "returned str 'high'" in bad.error
+
+
+def test_async_functions_run_on_an_event_loop():
+    s = RewardScorer(f"{FNS}:async_stall_on_odd", concurrency=4, timeout_s=0.3)
+    assert s.is_async
+    out = _score(s)
+    assert [o.timed_out for o in out] == [i % 2 == 1 for i in range(8)]
+
+
+def test_process_pool_kills_stalled_samples():
+    s = RewardScorer(f"{FNS}:stall_on_odd", executor="process", concurrency=2, timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        out = _score(s)
+        assert time.monotonic() - t0 < 25  # the 30 s stalls were cut
+        assert [o.timed_out for o in out] == [i % 2 == 1 for i in range(8)]
+        assert [o.score for o in out if not o.timed_out] == [1.0] * 4
+    finally:
+        s.close()
+
+
+def _pool_processes():
+    import psutil
+
+    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    return servers + [p for server in servers for p in server.children()]  # it and the pool's processes
+
+
+def test_a_scoring_process_killed_from_outside_costs_no_sample():
+    """kill -9 of the pool's processes and the fork server they come from, mid-call (a user, the OOM
+    killer): each sample they were scoring is scored again on a fresh process (the fork server is
+    started again) and the call's results equal an undisturbed call's."""
+    import os
+    import signal
+    import threading
+
+    s = RewardScorer(f"{FNS}:slow_in_process", executor="process", concurrency=2)
+    try:
+        clean = [(o.score, o.error) for o in _score(s)]
+        assert s.restarted == 0 and all(e is None for _, e in clean)
+        killed = []
+
+        def kill_soon():
+            time.sleep(0.25)  # the first two samples are running
+            for p in _pool_processes():
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        out = _score(s)
+        killer.join()
+        assert killed
+        assert [(o.score, o.error) for o in out] == clean
+        assert s.restarted >= 1
+    finally:
+        s.close()
+
+
+def test_a_pool_whose_processes_were_killed_between_calls_is_replaced():
+    """pebble marks a pool broken when its processes die between tasks; the next call gets a new
+    pool and scores every sample."""
+    import os
+    import signal
+
+    s = RewardScorer(f"{FNS}:slow", executor="process", concurrency=2)
+    try:
+        clean = [(o.score, o.error) for o in _score(s)]
+        for p in _pool_processes():
+            os.kill(p.pid, signal.SIGKILL)
+        assert [(o.score, o.error) for o in _score(s)] == clean
+    finally:
+        s.close()
+
+
+def test_a_function_that_kills_its_process_every_time_becomes_an_error_after_the_restarts():
+    s = RewardScorer(f"{FNS}:crash_on_odd", executor="process", concurrency=2, process_restarts=1)
+    try:
+        out = _score(s, GT[:4])
+        assert [o.error is None for o in out] == [True, False, True, False]
+        assert out[1].error.startswith("ProcessExpired: the scoring process died under this sample 2 times")
+        assert s.restarted == 2  # one restart for each odd sample
+    finally:
+        s.close()
+
+
+def test_bad_settings_are_errors():
+    with pytest.raises(RewardFnError, match="executor 'gpu'"):
+        RewardScorer(f"{FNS}:slow", executor="gpu")
+    with pytest.raises(RewardFnError, match="has signature"):
+        RewardScorer("rlgraph.ops.reward.functions:parse_answer")
+
+
+def test_a_bad_reward_function_fails_compilation():
+    from rlgraph import PipelineError, compile
+    from rlgraph.graph.loader import load_pipeline
+
+    pipeline, ref = load_pipeline(str(Path(FNS).with_name("reward_pipeline.py")))
+    with pytest.raises(PipelineError, match=r"op 'reward': reward function "
+                                            r"'rlgraph.ops.reward.functions:parse_answer' has signature"):
+        compile(pipeline, ["reward.fn=rlgraph.ops.reward.functions:parse_answer"], pipeline_ref=ref)
