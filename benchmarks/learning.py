@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
+from rlgraph.runtime.metrics import read_metrics
 
 EXAMPLES = ("grpo", "grpo_async", "ppo", "ppo_rm", "dapo")
 SEEDS = (0, 1, 2)
@@ -63,7 +64,7 @@ def run_one(example: str, seed: int, out_root: Path) -> dict:
 def summarize(example: str, seed: int, out: Path, wall_s: float) -> dict:
     """One run's entry: the first/last 3 and 10 steps' mean reward, and the first and last steps'
     headline values (what the quick start's sample output shows)."""
-    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    records = read_metrics(out / "metrics.jsonl")
     scores = [r[key_of(example)] for r in records]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     first, last = mean(scores[:3]), mean(scores[-3:])
@@ -94,7 +95,7 @@ def blocks_table(out_root: Path, examples: list[str]) -> common.Table | None:
         path = out_root / f"{ex}-seed0" / "metrics.jsonl"
         if not path.is_file():
             continue
-        records = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        records = read_metrics(path)
         for key, label in BLOCK_KEYS.get(ex, ((KEY, "score"),)):
             vals = [r[key] for r in records if key in r]
             means = [sum(vals[i:i + BLOCK]) / len(vals[i:i + BLOCK]) for i in range(0, len(vals), BLOCK)]

@@ -17,7 +17,6 @@ costs, not what a network would.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from rlgraph.runtime.metrics import read_metrics
 
 GRPO = common.ROOT / "examples" / "grpo.py"
 NODE_CPUS = 3
@@ -57,8 +57,7 @@ def _run(address: str, out: Path, steps: int, locality: str) -> list[dict[str, A
     proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"rlgraph run failed ({locality}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(ln) for ln in lines if ln.strip()]
+    return read_metrics(out / "metrics.jsonl")
 
 
 def measure(steps: int, repeats: int) -> tuple[common.Table, dict[str, list[list[dict[str, Any]]]]]:

@@ -45,9 +45,11 @@ class Fleet:
 
     def __init__(self, plan: Plan, timeout_s: float, dataplane: str | None = None, address: str | None = None,
                  plane: Any = None, on_ray_started: Any = None, verbose: bool = False,
-                 on_phase: Callable[[str], None] | None = None) -> None:
+                 on_phase: Callable[[str], None] | None = None, inject_faults: bool = False) -> None:
         """`plane`: an already started data plane to use (and leave running), e.g. a test session's.
-        `on_phase` is told, in a line each, when a start-up phase is done and how long it took."""
+        `on_phase` is told, in a line each, when a start-up phase is done and how long it took.
+        `inject_faults`: start workers that take the runner's fault-injection hook (tests)."""
+        self._inject_faults = inject_faults
         self._on_phase = on_phase or (lambda message: None)
         self.plan = plan
         self.timeout_s = timeout_s
@@ -142,14 +144,15 @@ class Fleet:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlgraph.runtime.worker import GroupWorker
+        from rlgraph.runtime.worker import FaultInjectingWorker, GroupWorker
 
         g = self.plan.group(name)
         share = sum(1 for x in self.plan.groups if x.pool == g.pool)  # colocated groups time-share bundles
         bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
         self.workers[name] = [
             # CONTROL: a second thread, for state imports that must not wait for the running call
-            ray.remote(concurrency_groups={CONTROL: 1})(GroupWorker).options(
+            ray.remote(concurrency_groups={CONTROL: 1})(FaultInjectingWorker if self._inject_faults
+                                                         else GroupWorker).options(
                 num_cpus=max(bundle[r].num_cpus, 0.01) / share,
                 num_gpus=bundle[r].num_gpus / share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -304,10 +307,11 @@ class Fleet:
         c = call.chunk
         worker = self.workers[call.group][call.rank]
         args = (c.op, step, partition, c.index, list(call.rows), [uids[i] for i in call.rows], list(tags),
-                dict(batch_inputs), fault, salt)
+                dict(batch_inputs), salt)
+        hook = {"fault": fault} if fault else {}  # only a FaultInjectingWorker takes it
         if self.plan.op(c.op).streams:
-            return worker.run_chunk_stream.options(num_returns="streaming").remote(*args)
-        return worker.run_chunk.remote(*args)
+            return worker.run_chunk_stream.options(num_returns="streaming").remote(*args, **hook)
+        return worker.run_chunk.remote(*args, **hook)
 
     def wait(self, waitables: list[Any], what: Any = "op calls and weight syncs") -> list[Any]:
         """Those of `waitables` with a result ready (a finished call, a streaming call's next part),

@@ -58,7 +58,8 @@ class Runner:
         self.max_retries = options.max_retries if options.max_retries is not None else trainer["max_retries"]
         self.reporter: Reporter = options.reporter or Reporter()
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
-                           options.verbose, on_phase=lambda message: self.reporter.phase(message))
+                           options.verbose, on_phase=lambda message: self.reporter.phase(message),
+                           inject_faults=bool(options.faults))
         self._spans: deque[list[Span]] = deque(maxlen=options.trace_steps or None)  # per step, the latest
         self.written = 0  # steps whose records this run wrote
         self.headline = [f"{name}/mean" for name in plan.summaries.values()]

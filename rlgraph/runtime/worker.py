@@ -95,18 +95,14 @@ class GroupWorker:
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                   uids: Sequence[int], is_padding: Sequence[bool],
-                  batch_inputs: dict[str, Any] | None = None, fault: str | None = None, salt: int = 0) -> CallResult:
-        """Run `op_name` on `rows`. `fault` is the runner's fault-injection hook (tests): ``raise``
-        makes the call fail before the body runs; ``kill`` / ``kill_after`` end this actor's
-        process before the body runs / after the outputs are written."""
+                  batch_inputs: dict[str, Any] | None = None, salt: int = 0) -> CallResult:
+        """Run `op_name` on `rows`: get its inputs, call the body, put its outputs."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
-            inputs = self._inputs(op, partition, rows, step, chunk, fault)
+            inputs = self._inputs(op, partition, rows, step, chunk)
             out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         self._put(partition, rows, out)
-        if fault == "kill_after":
-            os._exit(17)
         dropped = dict(self.invoker.last_dropped)
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
@@ -120,14 +116,14 @@ class GroupWorker:
 
     def run_chunk_stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                          uids: Sequence[int], is_padding: Sequence[bool],
-                         batch_inputs: dict[str, Any] | None = None, fault: str | None = None,
+                         batch_inputs: dict[str, Any] | None = None,
                          salt: int = 0) -> Iterator[PartResult | CallResult]:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult`."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
-            inputs = self._inputs(op, partition, rows, step, chunk, fault)
+            inputs = self._inputs(op, partition, rows, step, chunk)
             parts = self.invoker.stream(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         handed: list[tuple[float, int]] = []
         while True:
@@ -140,8 +136,6 @@ class GroupWorker:
             self._put(partition, part_rows, out)
             handed.append((time.time(), len(part_rows)))
             yield PartResult(part_rows, self._summaries(out, rows, positions, is_padding, {}))
-        if fault == "kill_after":
-            os._exit(17)
         dropped = dict(self.invoker.last_dropped)
         rest = self.invoker.last_rest
         yield CallResult(
@@ -167,15 +161,9 @@ class GroupWorker:
                 f"{len(rows)} rows, sample uids {keys}): {type(e).__name__}: {e}\n{detail}"
             ) from None
 
-    def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int,
-                fault: str | None) -> dict[str, Any]:
-        if fault == "kill":
-            os._exit(17)
+    def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
         sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
-        inputs = self.client.get(partition, rows, sample_inputs) if sample_inputs and rows else {}
-        if fault == "raise":
-            raise RuntimeError(f"injected failure in {op.name} step {step} chunk {chunk}")
-        return inputs
+        return self.client.get(partition, rows, sample_inputs) if sample_inputs and rows else {}
 
     def _put(self, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
         put = {c: v for c, v in out.items()
@@ -228,3 +216,36 @@ class GroupWorker:
 
     def close(self) -> None:
         self.client.close()
+
+
+class FaultInjectingWorker(GroupWorker):
+    """`GroupWorker` with the runner's fault-injection hook (`rlgraph.runtime.recovery.Fault`): the
+    fleet starts this class instead only when a run is given faults (tests, the soak), so the calls
+    of every other run carry none of it. A call given ``fault``: ``raise`` fails after reading its
+    inputs, before the body runs; ``kill`` ends this actor's process before that; ``kill_after``
+    ends it once the call's outputs are written, before its result is returned."""
+
+    _fault: str | None = None
+
+    def run_chunk(self, *args: Any, fault: str | None = None, **kwargs: Any) -> CallResult:
+        self._fault = fault
+        result = super().run_chunk(*args, **kwargs)
+        if fault == "kill_after":
+            os._exit(17)
+        return result
+
+    def run_chunk_stream(self, *args: Any, fault: str | None = None, **kwargs: Any) -> Iterator[PartResult | CallResult]:
+        self._fault = fault
+        for item in super().run_chunk_stream(*args, **kwargs):
+            if fault == "kill_after" and isinstance(item, CallResult):
+                os._exit(17)
+            yield item
+
+    def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
+        fault, self._fault = self._fault, None
+        if fault == "kill":
+            os._exit(17)
+        inputs = super()._inputs(op, partition, rows, step, chunk)
+        if fault == "raise":
+            raise RuntimeError(f"injected failure in {op.name} step {step} chunk {chunk}")
+        return inputs
