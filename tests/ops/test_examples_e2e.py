@@ -17,7 +17,7 @@ from rlgraph.graph.loader import load_pipeline
 from rlgraph.runtime.checkpoint import load_state
 from rlgraph.runtime.runner import RunOptions, run_plan
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).parents[2]
 VOLATILE = ("timing/", "throughput/", "driver/result_bytes", "schedule", "load/")  # load: which rank ran a chunk
@@ -43,7 +43,7 @@ def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
-@pytest.mark.parametrize("example", ["grpo", "ppo"])
+@pytest.mark.parametrize("example", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_path):
     plan = _plan(example, model_dir)
     stream = run_plan(plan, RunOptions(out_dir=tmp_path / "stream", steps=2, schedule="stream", timeout_s=300),
@@ -71,6 +71,7 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1]
 
 
+@pytest.mark.slow
 def test_data_parallel_actor_keeps_replicas_identical(model_dir, tq_plane, tmp_path):
     # actor dp=2: two Ray actors in one process group (DDP over gloo); after the update both
     # ranks must hold the same weights, and they must differ from the warm start
@@ -85,6 +86,7 @@ def test_data_parallel_actor_keeps_replicas_identical(model_dir, tq_plane, tmp_p
     assert any(not torch.equal(v, before[k]) for k, v in rank0["model"].items() if k in before)
 
 
+@pytest.mark.slow
 def test_gspo_loss_mode_trains_the_grpo_example(model_dir, tq_plane, tmp_path):
     """actor.loss_mode=gspo through the whole stack: a finite loss, sequence-level clipping at the
     paper's tiny clip ranges (with two epochs the second sees ratios away from 1), weights changed."""
@@ -136,6 +138,7 @@ def test_dapo_refills_its_batch_with_kept_groups_and_schedules_agree(model_dir, 
     assert refilled  # the warm-started model answers some prompts always (or never) right: a round is not enough
 
 
+@pytest.mark.slow
 def test_dapo_when_the_rounds_run_out(model_dir, tq_plane, tmp_path):
     """No group can be kept (min_std above any std of 0/1 scores): with on_exhaust=train the step
     trains on nothing (a batch of padding, the update's loss finite), with fail it stops with

@@ -111,7 +111,6 @@ def test_resume_before_the_first_update_sends_the_rollout_back_to_the_initial_we
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_max_staleness_zero_is_on_policy_and_schedules_agree(model_dir, tq_plane, tmp_path):
     plan = _plan(model_dir, "trainer.max_staleness=0")
     stream = _run(plan, tmp_path / "stream", tq_plane, steps=3)

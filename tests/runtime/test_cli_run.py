@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 PIPELINE = str(Path(__file__).parents[1] / "resources" / "tensor_pipeline.py")
 RLGRAPH = str(Path(sys.executable).with_name("rlgraph"))
@@ -28,7 +28,7 @@ def _ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_run_then_ctrl_c_stops_everything_it_started(tmp_path, sig):
     out = tmp_path / "run"
     log = (tmp_path / "log.txt").open("w")
@@ -74,6 +74,7 @@ def test_run_reports_a_failing_op_and_exits_1(tmp_path):
     assert "Traceback (most recent call last)" not in res.stderr.split("Error:")[0]
 
 
+@pytest.mark.slow
 def test_run_joins_an_existing_cluster_with_address(ray_cluster, tmp_path):
     # the test session's Ray stands in for a cluster; its TransferQueue (if a test started one)
     # allows no second controller, so this run keeps its columns in Ray's object store
@@ -87,6 +88,7 @@ def test_run_joins_an_existing_cluster_with_address(ray_cluster, tmp_path):
     assert ray_cluster.is_initialized()
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path):
     """SIGKILL the whole run (driver, Ray, TransferQueue: everything in its process group) after
     step 1's checkpoint; `rlgraph run --resume` continues, and steps 2-4 match an uninterrupted run."""

@@ -276,7 +276,6 @@ def test_tq_missing_resources_raise_instead_of_hanging(tq_plane):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_tq_start_times_out_with_a_message(tmp_path):
     """Bypass the resource check in a fresh Ray (2 CPUs) and ask for 3 storage units: tq.init
     would wait forever; start's watchdog must stop it and say what it waited for."""

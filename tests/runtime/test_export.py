@@ -22,7 +22,7 @@ from rlgraph.ops.models import load_causal_lm, load_critic, load_tokenizer
 from rlgraph.runtime.export import WORKER_CLASSES, ExportError, export_model
 from rlgraph.runtime.runner import Runner, RunOptions
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).parents[2]
 
@@ -139,6 +139,7 @@ def test_what_cannot_be_exported_is_a_clear_error(trained, model_dir, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_loads_the_exported_policy_and_generates_as_transformers(trained, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed: bash scripts/setup.sh --vllm=cpu")
     from transformers import AutoModelForCausalLM

@@ -11,7 +11,7 @@ from rlgraph.graph.loader import load_pipeline
 from rlgraph.runtime.invoke import OpError
 from rlgraph.runtime.runner import Fault, RunOptions, WorkerDiedError, run_plan
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 PIPELINE = str(Path(__file__).parents[1] / "resources" / "tensor_pipeline.py")
 # 5 prompts x n=3 = 15 samples; actor dp=2 -> 16 rows, 1 padding row; score: 3 rows per call
@@ -43,6 +43,7 @@ def baseline(tq_plane, tmp_path_factory):
     return _run(_plan(), tmp_path_factory.mktemp("baseline"), tq_plane)
 
 
+@pytest.mark.slow
 def test_stateless_failures_are_repaired_in_place(tq_plane, tmp_path, baseline):
     faults = [
         Fault("score", step=0, chunk=2, kind="raise"),  # a stateless op raised: run it again in place

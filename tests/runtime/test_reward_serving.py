@@ -52,6 +52,7 @@ def test_pool_of_workers_shares_the_load_and_overlaps_generation(tq_plane, tmp_p
     assert first_reward < gen_end
 
 
+@pytest.mark.slow
 def test_sync_schedule_waits_for_generation(tq_plane, tmp_path):
     plan = _plan("generate.delay_s=0.1", "generate.micro_batch_size=1", "reward.micro_batch_size=4")
     (rec,) = _run(plan, tmp_path, tq_plane, steps=1, schedule="sync")
@@ -67,6 +68,7 @@ def test_wrong_answers_score_zero(tq_plane, tmp_path):
     assert rec["score/mean"] == 0.5
 
 
+@pytest.mark.slow
 def test_raising_function_fails_the_step_by_default(tq_plane, tmp_path):
     plan = _plan(f"reward.fn={FNS}:raise_on_odd")
     with pytest.raises(OpError, match=r"(?s)reward function .*raise_on_odd.* failed on \d+ of \d+ samples.*"
@@ -74,6 +76,7 @@ def test_raising_function_fails_the_step_by_default(tq_plane, tmp_path):
         _run(plan, tmp_path, tq_plane, steps=1)
 
 
+@pytest.mark.slow
 def test_raising_function_scores_zero(tq_plane, tmp_path):
     plan = _plan(f"reward.fn={FNS}:raise_on_odd", "reward.on_error=zero")
     odd = _odd_rows(plan)
@@ -97,7 +100,7 @@ def test_raising_function_drops_the_groups(tq_plane, tmp_path):
     assert rec["score/mean"] == 1.0  # only the kept (even) groups, all answered correctly
 
 
-@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("executor", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_stalling_function_times_out_and_drops_the_groups(tq_plane, tmp_path, executor):
     plan = _plan(f"reward.fn={FNS}:stall_on_odd", "reward.on_error=drop_group", "reward.timeout_s=0.5",
                  f"reward.executor={executor}", "reward.micro_batch_size=8", "reward.concurrency=4")

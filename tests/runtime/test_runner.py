@@ -191,6 +191,7 @@ def test_resume_continues_exactly(tq_plane, tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_resume_with_another_config_is_refused(tq_plane, tmp_path):
     from rlgraph.runtime.checkpoint import CheckpointError
 

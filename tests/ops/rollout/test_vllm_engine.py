@@ -26,7 +26,7 @@ from rlgraph.ops.rollout.vllm_engine import RolloutEngineError  # noqa: E402
 from rlgraph.runtime.invoke import Invoker  # noqa: E402
 from rlgraph.runtime.runner import RunOptions, run_plan  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).parents[3]
 N = 4  # samples per prompt
@@ -108,6 +108,7 @@ def test_same_columns_masks_and_greedy_responses_as_hf(model_dir, invokers):
     assert all(len({int(rows[i].sum()) for i in p}) == 1 for p, _ in vl_parts)  # a part is one prompt's rows
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_exactly(model_dir, invokers):
     from rlgraph.ops.rollout.parts import vllm_parts
 
@@ -131,6 +132,7 @@ def test_seeded_sampling_repeats_exactly(model_dir, invokers):
     assert [rs for _, rs, _ in a] != [rs for _, rs, _ in other]
 
 
+@pytest.mark.slow
 def test_new_weights_reach_the_engine_and_change_its_log_probs(model_dir, invokers):
     (_, _), (vllm_plan, vl) = invokers
     worker = next(iter(vl.instances.values()))
@@ -163,6 +165,7 @@ def _engine(model_dir, invokers):
     return worker, worker.rollout_engine
 
 
+@pytest.mark.slow
 def test_partial_rollout_switches_weights_between_engine_steps(model_dir, invokers):
     """A refresh between engine steps: tokens drawn before it are the old weights', tokens after it
     the new ones', and each sample reports the labels of the weights of its first and last token."""
@@ -215,6 +218,7 @@ def test_partial_rollout_switches_weights_between_engine_steps(model_dir, invoke
     assert sample(None) == plain  # the engine is back on the original weights and label
 
 
+@pytest.mark.slow
 def test_partial_rollout_in_the_generate_body_records_both_versions(model_dir, invokers):
     """Weights that reach the worker while its generate call runs (ctx.state) are loaded at the next
     engine step: responses record policy_version and policy_version_end; a version the step may not
@@ -269,6 +273,7 @@ def test_partial_rollout_in_the_generate_body_records_both_versions(model_dir, i
         worker._sync({"version": base + 1, "owner": "trainer", "policy_version": version0, "state": original})
 
 
+@pytest.mark.slow
 def test_a_dead_engine_process_is_a_typed_error_naming_the_rank_and_is_restarted(model_dir, invokers):
     import psutil
 
@@ -287,6 +292,7 @@ def test_a_dead_engine_process_is_a_typed_error_naming_the_rank_and_is_restarted
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_grpo_on_vllm_streams_groups_and_schedules_agree(model_dir, tq_plane, tmp_path):
     plan = _plan(model_dir, "vllm", "trainer.save_every=0", "reward.micro_batch_size=4")
     assert plan.op("generate").streams and plan.op("generate").batching.per_rank
@@ -315,6 +321,7 @@ def test_grpo_on_vllm_streams_groups_and_schedules_agree(model_dir, tq_plane, tm
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_rollout_group_of_its_own_gets_the_weights_through_the_object_store(model_dir, tq_plane, tmp_path):
     from rlgraph import WorkerGroup
     from rlgraph.ops import stages
