@@ -8,7 +8,8 @@
   rlgraph/ops/), and the "imports per folder" table in docs/architecture.md is the one the code
   gives (run this file with Python to print it);
 - every module of the package is named in docs/architecture.md, and every module path the doc
-  names exists.
+  names exists;
+- every module has its tests where tests/README.md says a reader finds them.
 """
 
 from __future__ import annotations
@@ -145,6 +146,26 @@ def test_every_module_path_the_doc_names_exists():
     named = set(re.findall(r"`((?:graph|ops|runtime)/[\w/]+\.py)`", text))
     gone = sorted(p for p in named if not (PKG / p).is_file())
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+def test_every_module_has_its_tests_where_tests_readme_says():
+    text = (ROOT / "tests" / "README.md").read_text()
+    table = text.split("<!-- module-tests", 1)[1].split("<!-- /module-tests -->", 1)[0]
+    rows = dict(re.findall(r"^\| `([\w/]+\.py)` \| (.+) \|$", table, re.M))
+    missing, gone = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if path.name in ("__init__.py", "version.py"):
+            continue
+        own = ROOT / "tests" / rel.parent / f"test_{path.stem}.py"
+        if str(rel) in rows:
+            gone += [f"{rel}: {t}" for t in re.findall(r"`([^`]+)`", rows[str(rel)]) if not (ROOT / t).is_file()]
+        elif not own.is_file():
+            missing.append(f"{rel} (no {own.relative_to(ROOT)}, no row in tests/README.md)")
+    stale = [m for m in rows if not (PKG / m).is_file()]
+    assert not missing and not gone and not stale, (
+        f"modules without tests where a reader looks: {missing}; test files named but missing: {gone}; "
+        f"rows for modules that do not exist: {stale}")
 
 
 if __name__ == "__main__":

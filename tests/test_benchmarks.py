@@ -131,7 +131,6 @@ def test_overlap_and_traffic_quick(tmp_path, planes):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.bench  # not in the default run: tests/ops/test_examples_e2e.py covers stream = sync on the examples
 def test_real_quick(tmp_path, planes):
     from benchmarks import real
@@ -182,7 +181,6 @@ def test_multi_step_replay_keeps_one_step_results_at_k0_and_bounds_staleness(str
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.bench  # not in the default run: tests/runtime/test_async.py covers k=1 on the example
 def test_staleness_quick(tmp_path, planes):
     from benchmarks import staleness

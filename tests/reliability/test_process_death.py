@@ -40,7 +40,7 @@ def _kill_delay(victim: str) -> float:
     """Where in step 2 `victim` dies: seconds after step 1's record, a seeded draw per process kind
     (a step of these runs takes about 1 s)."""
     return round(random.Random(f"{SEED}:{victim}").uniform(0.0, 1.0), 3)
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray  # each test is slow or faults (the markers are disjoint)
 
 
 def _records(out: Path) -> list[dict]:
@@ -103,6 +103,7 @@ def uninterrupted(tmp_path_factory):
     return _scores(records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,victim,name", [
     ("transferqueue", "ray::SimpleStorageUnit", "TransferQueue storage unit 0"),
     ("transferqueue", "ray::TransferQueueController", "TransferQueue controller"),

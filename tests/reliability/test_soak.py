@@ -31,7 +31,7 @@ KINDS = ["ray::GroupWorker", "ray::SimpleStorageUnit", "ray::TransferQueueContro
          "forkserver", "driver"]
 SCORING = "multiprocessing.forkserver"  # the reward pool's fork server and the processes it forked
 COMPARED = ("score/mean", "update_actor/actor_metrics/pg_loss", "samples/trained", "samples/padding")
-pytestmark = [pytest.mark.soak, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.soak, pytest.mark.ray]
 
 
 def _records(out: Path) -> list[dict]:

@@ -28,7 +28,7 @@ SPREAD = ["cluster.num_nodes=3", f"cluster.cpus_per_node={NODE_CPUS}", "groups.r
           "groups.reward.num_cpus=0.5"]
 STABLE = ("score/mean", "reward/mean", "response_length/mean", "samples/real", "samples/padding",
           "update_actor/actor_metrics/pg_loss", "update_actor/actor_metrics/grad_norm")
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray  # each test is slow or faults (the markers are disjoint)
 
 
 @pytest.fixture
@@ -71,6 +71,7 @@ def _stable(records: list[dict]) -> list[dict]:
     return [{k: r.get(k) for k in STABLE} for r in records]
 
 
+@pytest.mark.slow
 def test_three_nodes_give_the_metrics_of_one(three_nodes, tmp_path):
     many = _start(tmp_path / "many", "--address", three_nodes.address, *SPREAD,
                   "groups.reward.placement=strict_spread")  # and one storage unit per node (the default)

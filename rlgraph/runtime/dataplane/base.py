@@ -63,11 +63,7 @@ class DataPlaneDied(DataPlaneError):
     """A process of the data plane (a TransferQueue controller or storage unit, the Ray store's
     tracker) died. The runner restarts the plane and replays the step; the message names it."""
 
-    def __init__(self, dead: list[str] | str, what: str = "") -> None:
-        if isinstance(dead, str):  # a whole message (the same failure, told with more context)
-            self.dead: list[str] = []
-            super().__init__(dead)
-            return
+    def __init__(self, dead: list[str], what: str = "") -> None:
         self.dead = list(dead)
         super().__init__(f"the data plane's {', '.join(self.dead)} died" + (f" while {what}" if what else "")
                          + "; rlgraph restarts the data plane and every worker, and replays the step")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 VOCAB, HIDDEN, T = 16, 8, 6
 
 

@@ -1,0 +1,75 @@
+"""Recovery's bookkeeping without Ray: retries counted per step, the error kept as what it is,
+injected faults taken once. The repairs themselves run end to end in test_faults.py,
+test_streaming.py and tests/reliability/."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rlgraph.errors import OpError, PipelineError, Problem, RLGraphError
+from rlgraph.runtime.recovery import Fault, Recovery, Restore, first_line, plane_lost
+from rlgraph.runtime.dataplane.base import DataPlaneDied
+from rlgraph.runtime.fleet import PLANE
+
+
+def _recovery(max_retries=1, faults=()):
+    return Recovery(plan=None, fleet=None, weights=None, reporter=SimpleNamespace(fault=lambda m: None),
+                    max_retries=max_retries, faults=list(faults))
+
+
+def test_a_step_may_fail_max_retries_times_then_its_error_ends_the_run_as_what_it_is():
+    r = _recovery(max_retries=1)
+    e = OpError("op 'score' failed on worker reward[0] at step 3")
+    r.count(3, e)  # the first failure is repaired
+    r.count(4, e)  # failures count per step
+    with pytest.raises(OpError, match=r"(?s)op 'score' failed.*step 3 failed 2 times; gave up after "
+                                      r"trainer\.max_retries=1 retries") as info:
+        r.count(3, e)
+    assert info.value.__cause__ is None and r.attempts == {3: 2, 4: 1}
+
+
+def test_an_error_whose_constructor_takes_other_arguments_keeps_its_type_and_fields():
+    problem = Problem("cycle", "ops a and b read each other", "drop one edge")
+    e = PipelineError([problem], "p")
+    again = e.with_message("more context")
+    assert type(again) is PipelineError and again.problems == [problem] and str(again) == "more context"
+    r = _recovery(max_retries=0)
+    with pytest.raises(PipelineError, match="gave up after trainer.max_retries=0"):
+        r.count(0, e)
+
+
+def test_a_foreign_error_becomes_an_rlgraph_error_naming_its_type():
+    with pytest.raises(RLGraphError, match=r"^ValueError: bad\n\(step 0 failed 1 times"):
+        _recovery(max_retries=0).count(0, ValueError("bad"))
+
+
+def test_an_injected_fault_is_taken_as_many_times_as_asked_on_its_rank_only():
+    r = _recovery(faults=[Fault("gen", step=2, chunk=1, kind="kill", rank=1, times=2)])
+    assert r.take_fault("gen", 2, 1, rank=0) is None
+    assert [r.take_fault("gen", 2, 1, rank=1) for _ in range(3)] == ["kill", "kill", None]
+    assert r.take_fault("gen", 3, 1, rank=1) is None
+
+
+def test_a_fault_of_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="Fault.kind='explode'; use raise, kill or kill_after"):
+        Fault("gen", step=0, kind="explode")
+
+
+def test_a_lost_data_plane_is_told_apart_from_other_failures():
+    dead = DataPlaneDied(["storage_0"], "running op 'gen' at step 0")
+    assert plane_lost(dead) and plane_lost(Restore(dead, {PLANE}))
+    assert not plane_lost(Restore(OpError("x"), {"actor"})) and not plane_lost(OpError("x"))
+
+
+def test_first_line_gives_the_type_and_the_start_of_the_message():
+    assert first_line(RuntimeError("boom\nat line 3")) == "RuntimeError: boom"
+    assert first_line(RuntimeError()) == "RuntimeError"
+    assert len(first_line(RuntimeError("x" * 500))) == len("RuntimeError: ") + 160
+
+
+def test_a_lost_plane_past_its_retries_still_names_the_dead_processes():
+    with pytest.raises(DataPlaneDied, match="storage_0 died") as info:
+        _recovery(max_retries=0).count(0, DataPlaneDied(["storage_0"], "running op 'gen'"))
+    assert info.value.dead == ["storage_0"]
