@@ -389,7 +389,7 @@ def simulate_steps(plan: Any, steps: int, schedule: str) -> dict[str, Any]:
     window = Window(plan, {g.name: any(o in state_ops for o in g.ops) for g in plan.groups})
     slots = Slots(plan)
     layout = {}
-    events: list[tuple[float, int, int, Any, Any]] = []  # (time, tie-break, step, call, part rows or None)
+    events: list[tuple[float, int, Any, Any, Any]] = []  # (time, tie-break, step key, call, part rows or None)
     busy = {p.name: 0.0 for p in plan.pools}
     read: dict[int, int | None] = {}  # step -> producer step of the weights its rollout read
     now, k, admitted = 0.0, 0, 0
@@ -408,23 +408,23 @@ def simulate_steps(plan: Any, steps: int, schedule: str) -> dict[str, Any]:
                     window.holds(*gate.sync)
                     synced = True
                 else:
-                    window.live[gate.step].open(gate.op)
+                    window.live[gate.key].open(gate.op)
                     if gate.op == "generate":
-                        read[gate.step] = window.held.get(("weights", "rollout"))
-        for s in sorted(window.live):
-            uids, pad, lens = layout[s]
-            for call in window.live[s].next_calls():
+                        read[gate.key.step] = window.held.get(("weights", "rollout"))
+        for key in sorted(window.live):
+            uids, pad, lens = layout[key.step]
+            for call in window.live[key].next_calls():
                 pool = plan.group(plan.op(call.chunk.op).group).pool
                 if plan.op(call.chunk.op).streams:
                     times = group_finish_times(call.rows, uids, lens, pad, c)
                     for t, ks in times:
-                        heapq.heappush(events, (now + t, k, s, call, [call.rows[x] for x in ks]))
+                        heapq.heappush(events, (now + t, k, key, call, [call.rows[x] for x in ks]))
                         k += 1
                     dur = max(t for t, _ in times)
                 else:
                     dur = op_seconds(call.chunk.op, [lens[i] for i in call.rows], c)
                 busy[pool] += dur
-                heapq.heappush(events, (now + dur, k, s, call, None))
+                heapq.heappush(events, (now + dur, k, key, call, None))
                 k += 1
         done = list(window.pop_done())
         if not events:
@@ -432,12 +432,12 @@ def simulate_steps(plan: Any, steps: int, schedule: str) -> dict[str, Any]:
                 continue
             raise RuntimeError(f"simulated steps {sorted(window.live)} cannot make progress: "
                                f"{ {s: window.live[s].unfinished() for s in window.live} }")
-        now, _, s, call, rows = heapq.heappop(events)
-        sched = window.live[s]
+        now, _, key, call, rows = heapq.heappop(events)
+        sched = window.live[key]
         if rows is not None:
             sched.rows_done(call.chunk.op, rows)
         elif sched.call_done(call) and sched.op_finished(call.chunk.op):
-            window.produced(call.chunk.op, s)
+            window.produced(call.chunk.op, key.step)
     idle = {p.name: 1 - busy[p.name] / (now * len(p.bundles)) for p in plan.pools if busy[p.name] or p.name != "cpu"}
     # policy versions: the weights written by the update of step s are version s + 1 (0: initial)
     staleness = [t - (read[t] + 1 if read.get(t) is not None else 0) for t in range(steps)]

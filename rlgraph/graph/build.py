@@ -20,6 +20,7 @@ from rlgraph.graph.columns import ColumnType
 from rlgraph.graph.config import Param, flatten, parse_overrides, resolve_config
 from rlgraph.graph.dsl import DATAPLANE_PARAMS, TRAINER_PARAMS, OpSpec, Pipeline
 from rlgraph.graph.packing import Packing, Slot, dataplane_actors, pack, pool_placement
+from rlgraph.graph.settings import ClusterSettings, DataplaneSettings
 from rlgraph.graph.verl import translate_verl_keys
 
 __all__ = ["BuiltGraph", "ResolvedGroup", "config_schema", "build"]
@@ -173,8 +174,8 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
     problems += alias_problems
     config, cfg_problems = resolve_config(schema, flatten(pipeline.config), raw)
     problems += cfg_problems
-    if config.get("dataplane.storage_units") is None:  # one storage unit per node
-        config["dataplane.storage_units"] = max(1, int(config.get("cluster.num_nodes") or 1))
+    if DataplaneSettings.of(config).storage_units is None:  # the one place it is resolved: one unit per node
+        config["dataplane.storage_units"] = ClusterSettings.of(config).num_nodes
 
     dag = nx.MultiDiGraph()
     src = pipeline.source.name

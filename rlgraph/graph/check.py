@@ -48,6 +48,7 @@ import networkx as nx
 from rlgraph.errors import PipelineError, Problem
 from rlgraph.graph.build import BuiltGraph
 from rlgraph.graph.dsl import LOGGERS, parse_loggers
+from rlgraph.graph.settings import TrainerSettings
 
 __all__ = ["check", "find_problems"]
 
@@ -210,8 +211,9 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                             f"(or raise {src}.batch_size)", op=o.name))
 
     # Asynchronous training: who may run ahead, on which weights --------------------------------
-    k = g.config.get("trainer.max_staleness", 0)
-    if isinstance(k, int) and k > 0:
+    trainer = TrainerSettings.of(g)
+    k = trainer.max_staleness
+    if k > 0:
         state_reads = {o.name: [c for c, t in o.inputs.items() if t.kind == "state" and c in g.producers]
                        for o in p.ops}
         ahead = [o for o in p.ops if o.stale_ok and state_reads[o.name]]
@@ -242,8 +244,7 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                                 f"give {o.name!r} a worker group of its own", op=o.name, column=c))
 
     for o in p.ops:  # partial rollout: newer weights mid-call exist only while the update runs alongside
-        if o.stale_ok and "partial" in o.params and g.config.get(f"{o.namespace}.partial") is True \
-                and not (isinstance(k, int) and k > 0):
+        if o.stale_ok and "partial" in o.params and g.config.get(f"{o.namespace}.partial") is True and k == 0:
             add(Problem("partial-unused", f"{o.namespace}.partial=true, but trainer.max_staleness={k}: op {o.name!r} "
                         "then always has the newest weights, so none can arrive while it runs",
                         f"set trainer.max_staleness=1 (with {o.name!r} in a worker group of its own), or "
@@ -261,13 +262,11 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
 
     problems += _refill_problems(g)
 
-    loggers = g.config.get("trainer.logger")
-    if isinstance(loggers, str):
-        try:
-            parse_loggers(loggers)
-        except ValueError as e:
-            add(Problem("config-type", f"trainer.logger={loggers}: {e}",
-                        f"write trainer.logger=[{','.join(LOGGERS)}] or some of them, e.g. [console,wandb]"))
+    try:
+        parse_loggers(trainer.logger)
+    except ValueError as e:
+        add(Problem("config-type", f"trainer.logger={trainer.logger}: {e}",
+                    f"write trainer.logger=[{','.join(LOGGERS)}] or some of them, e.g. [console,wandb]"))
 
     # Resources -------------------------------------------------------------------------------
     if not any(x.code == "config-type" for x in problems):
@@ -295,8 +294,8 @@ def _refill_problems(g: BuiltGraph) -> list[Problem]:
             out.append(Problem("refill", f"op {o.name!r} refills the batch but is not a group filter "
                                f"(granularity {o.granularity!r}, drops={o.drops})",
                                "declare it with granularity='group' and drops=True", op=o.name))
-        staleness = g.config.get("trainer.max_staleness")
-        if isinstance(staleness, int) and staleness > 0:
+        staleness = TrainerSettings.of(g).max_staleness
+        if staleness > 0:
             out.append(Problem("refill", f"op {o.name!r} refills the batch (dynamic sampling), which runs each step's "
                                f"generation rounds before its training; trainer.max_staleness={staleness} would run "
                                f"the rollout ahead of them", "set trainer.max_staleness=0 for dynamic sampling, or "

@@ -28,7 +28,11 @@ class Param:
 
     ``optional=True`` allows ``None`` (written ``null`` or ``none`` on the command line).
     ``setup=True`` marks a param that a worker class reads once in its ``setup`` (a model path,
-    a rollout backend), so it is not passed to each call of the op's body.
+    a rollout backend), so it is not passed to each call of the op's body. ``verl`` names the verl
+    config keys that stand for it (``trainer.total_training_steps`` for ``trainer.steps``).
+
+    The built-in sections' params are made from their settings models (`rlgraph.graph.settings`,
+    `rlgraph.ops.settings`); a custom op declares its own.
     """
 
     type: type
@@ -38,6 +42,7 @@ class Param:
     optional: bool = False
     minimum: float | None = None
     setup: bool = False
+    verl: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:

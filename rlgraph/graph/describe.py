@@ -1,7 +1,8 @@
 """Print a compiled plan as tables: ops, columns, worker groups, padding, schedule, config.
 
 Everything shown is read from the `Plan` (or, for `config_schema_table`, from the pipeline's
-config schema), so ``rlgraph describe`` prints exactly what ``rlgraph run`` would use. Cells are
+config schema, whose params are made from the settings models of `rlgraph.graph.settings` and
+`rlgraph.ops.settings`), so ``rlgraph describe`` prints exactly what ``rlgraph run`` would use. Cells are
 `rich.text.Text`, never markup, so values such as ``[response_len]`` print as they are.
 """
 
@@ -212,12 +213,10 @@ def _doc(p: Param) -> str:
 def config_schema_table(schema: Mapping[str, Param], config: Mapping[str, Any],
                         overrides: Mapping[str, str] | None = None) -> Table:
     """Every config key of a pipeline: type, default, current value and doc, in schema order."""
-    from rlgraph.graph.verl import aliases_of
-
     t = _table("config keys", "key", "type", "default", "value", "verl alias", "doc")
     for key, p in schema.items():
         value = format_value(config.get(key, p.default)) + (" (override)" if key in (overrides or {}) else "")
-        _row(t, key, p.type_name, format_value(p.default), value, ", ".join(aliases_of(key)) or "-", _doc(p))
+        _row(t, key, p.type_name, format_value(p.default), value, ", ".join(p.verl) or "-", _doc(p))
     return t
 
 

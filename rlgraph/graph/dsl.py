@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 from rlgraph.errors import DeclarationError, Problem
 from rlgraph.graph.columns import ColumnType, T
 from rlgraph.graph.config import Param
+from rlgraph.graph.settings import (PLACEMENTS, ClusterSettings, DataplaneSettings, GroupSettings, SourceSettings,
+                                    TrainerSettings, default_of, params_of)
 
 __all__ = [
     "Granularity",
@@ -41,7 +43,6 @@ __all__ = [
     "SYSTEM_COLUMNS",
 ]
 
-PLACEMENTS = ("pack", "spread", "strict_spread")  # least to most spread
 Granularity = Literal["sample", "group", "batch"]
 GRANULARITIES = ("sample", "group", "batch")
 _CTX = "ctx"  # reserved parameter name: receives the OpContext
@@ -55,33 +56,9 @@ SYSTEM_COLUMNS: Mapping[str, ColumnType] = MappingProxyType(
     }
 )
 
-TRAINER_PARAMS: Mapping[str, Param] = MappingProxyType(
-    {
-        "steps": Param(int, 10, "training steps to run", minimum=1),
-        "seed": Param(int, 0, "global seed; data order, sampling and shuffles derive from it"),
-        "critic_warmup": Param(int, 0, "steps that update only the critic; ops gated on it are skipped", minimum=0),
-        "val_every": Param(int, 0, "run validation every k steps (0: never)", minimum=0),
-        "save_every": Param(int, 0, "checkpoint every k steps (0: never); a failure that needs a restore "
-                            "replays the steps since the latest checkpoint", minimum=0),
-        "max_retries": Param(int, 2, "failures (an op raised, a worker died) tolerated per step before the run "
-                             "fails; each one re-runs the lost work", minimum=0),
-        "schedule": Param(str, "stream", "stream: ops start on partial data; sync: a barrier after each stage",
-                          choices=("stream", "sync")),
-        "max_staleness": Param(int, 0, "asynchronous training: the rollout (ops declared stale_ok, i.e. generate) "
-                               "may run up to k steps ahead of the update, with a policy at most k versions older "
-                               "than the one it is trained against; k+1 steps are in flight. 0: on-policy",
-                               minimum=0),
-        "logger": Param(str, "[console,jsonl,tensorboard]",
-                        "where metrics go, a list of: console (progress lines), jsonl (DIR/metrics.jsonl, always "
-                        "written), tensorboard (DIR/tensorboard), wandb (offline in DIR/wandb unless wandb is set up; "
-                        "pip install 'rlgraph[wandb]'), mlflow (DIR/mlruns unless MLFLOW_TRACKING_URI is set; pip "
-                        "install 'rlgraph[mlflow]'); written [console,wandb] or console,wandb"),
-        "project": Param(str, None, "wandb project and mlflow experiment [default: $WANDB_PROJECT or "
-                         "$MLFLOW_EXPERIMENT_NAME, else rlgraph]", optional=True),
-        "run_name": Param(str, None, "the run's name in wandb and mlflow [default: the run directory's name]",
-                          optional=True),
-    }
-)
+# the trainer's and the data plane's keys, made from their settings models (`rlgraph.graph.settings`)
+TRAINER_PARAMS: Mapping[str, Param] = MappingProxyType(params_of(TrainerSettings))
+DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(params_of(DataplaneSettings))
 
 # what trainer.logger may name; jsonl (metrics.jsonl) is written whether named or not
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -101,22 +78,6 @@ def parse_loggers(text: str) -> tuple[str, ...]:
         raise ValueError(f"unknown logger{'s' if len(unknown) > 1 else ''} {said}; the loggers are "
                          f"{', '.join(LOGGERS)}")
     return tuple(names)
-
-
-DATAPLANE_PARAMS: Mapping[str, Param] = MappingProxyType(
-    {
-        "backend": Param(str, "transferqueue", "where columns live between ops",
-                         choices=("transferqueue", "ray")),
-        "storage_units": Param(int, None, "TransferQueue storage units, placed one per node round-robin (each "
-                               "reserves dataplane.cpus_per_unit CPUs) [default: one per node, cluster.num_nodes]",
-                               optional=True, minimum=1),
-        "locality": Param(str, "node", "where TransferQueue stores a row: node (on a unit of the node of the worker "
-                          "that handles it, and calls go to workers near their rows) or hash (TransferQueue's own "
-                          "rule, row index modulo units)", choices=("node", "hash")),
-        "cpus_per_unit": Param(float, 1.0, "logical CPUs reserved by the controller and by each storage unit",
-                               minimum=0.0),
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -380,12 +341,12 @@ class WorkerGroup:
     """
 
     name: str
-    dp: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    pool: str | None = None
+    dp: int = default_of(GroupSettings, "dp")
+    num_cpus: float = default_of(GroupSettings, "num_cpus")
+    num_gpus: float = default_of(GroupSettings, "num_gpus")
+    pool: str | None = None  # None: a pool of its own, named after the group
     doc: str = ""
-    placement: str = "pack"
+    placement: str = default_of(GroupSettings, "placement")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -395,32 +356,23 @@ class WorkerGroup:
                                    f"{', '.join(PLACEMENTS)}")
 
     def params(self) -> dict[str, Param]:
-        return {
-            "dp": Param(int, self.dp, "data-parallel size: workers (Ray actors) in the group", minimum=1),
-            "num_cpus": Param(float, float(self.num_cpus), "logical CPUs per worker", minimum=0.0),
-            "num_gpus": Param(float, float(self.num_gpus), "GPUs per worker", minimum=0.0),
-            "pool": Param(str, self.pool or self.name, "resource pool; groups sharing one are colocated"),
-            "placement": Param(str, self.placement, "pack the pool's workers onto as few nodes as possible, "
-                               "spread them over the nodes round-robin (e.g. reward workers), or strict_spread: "
-                               "each on a node of its own (fails when there are fewer nodes than workers)",
-                               choices=PLACEMENTS),
-        }
+        """Its ``groups.<name>.*`` keys, defaulting to what it declares."""
+        return params_of(GroupSettings, dp=self.dp, num_cpus=float(self.num_cpus), num_gpus=float(self.num_gpus),
+                         pool=self.pool or self.name, placement=self.placement)
 
 
 @dataclass(frozen=True)
 class Cluster:
     """The cluster a plan is compiled for; override as ``cluster.num_nodes=2`` etc."""
 
-    num_nodes: int = 1
-    cpus_per_node: float = 8.0
-    gpus_per_node: float = 0.0
+    num_nodes: int = default_of(ClusterSettings, "num_nodes")
+    cpus_per_node: float = default_of(ClusterSettings, "cpus_per_node")
+    gpus_per_node: float = default_of(ClusterSettings, "gpus_per_node")
 
     def params(self) -> dict[str, Param]:
-        return {
-            "num_nodes": Param(int, self.num_nodes, "nodes in the cluster", minimum=1),
-            "cpus_per_node": Param(float, float(self.cpus_per_node), "logical CPUs per node", minimum=0.0),
-            "gpus_per_node": Param(float, float(self.gpus_per_node), "GPUs per node", minimum=0.0),
-        }
+        """Its ``cluster.*`` keys, defaulting to what it declares."""
+        return params_of(ClusterSettings, num_nodes=self.num_nodes, cpus_per_node=float(self.cpus_per_node),
+                         gpus_per_node=float(self.gpus_per_node))
 
 
 @dataclass(frozen=True)
@@ -445,7 +397,7 @@ class DataSource:
             object.__setattr__(self, "impl", ref)
             object.__setattr__(self, "impl_file", file)
         object.__setattr__(self, "columns", MappingProxyType(dict(self.columns)))
-        prm = {"batch_size": Param(int, 8, "prompts per step", minimum=1), **dict(self.params)}
+        prm = {**params_of(SourceSettings), **dict(self.params)}
         object.__setattr__(self, "params", MappingProxyType(prm))
         for col, ctype in self.columns.items():
             if not isinstance(ctype, ColumnType):

@@ -17,6 +17,7 @@ import networkx as nx
 from rlgraph.graph.build import BuiltGraph
 from rlgraph.graph.dsl import OpSpec
 from rlgraph.graph.plan import SchedulePlan
+from rlgraph.graph.settings import TrainerSettings
 
 __all__ = ["MODES", "mode_of", "schedule", "concurrency", "staleness"]
 
@@ -36,7 +37,7 @@ def staleness(g: BuiltGraph, o: OpSpec) -> int:
     op declared ``stale_ok`` that reads state, else 0. At step t the op reads the state written at
     step t-1-lag, so the next steps' rollout runs while this one trains (`rlgraph.runtime.window`)."""
     reads_state = any(t.kind == "state" for t in o.inputs.values())
-    return int(g.config.get("trainer.max_staleness", 0) or 0) if o.stale_ok and reads_state else 0
+    return TrainerSettings.of(g).max_staleness if o.stale_ok and reads_state else 0
 
 
 def concurrency(g: BuiltGraph) -> dict[str, list[str]]:

@@ -16,8 +16,11 @@ from rlgraph.errors import DeclarationError, Problem
 from rlgraph.graph.columns import ColumnType, T
 from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
-from rlgraph.ops.names import (AGG_MODES, ENGINE_BACKENDS, ESTIMATOR_NEEDS, ESTIMATORS, EXECUTORS, KL_KINDS, LOSS_MODES,
-                                ON_ERROR)
+from rlgraph.graph.settings import params_of
+from rlgraph.ops.names import ESTIMATOR_NEEDS, ESTIMATORS
+from rlgraph.ops.settings import (ActorSettings, AlgorithmSettings, CriticSettings, DataSettings, FilterGroupsSettings,
+                                  ForwardSettings, OldLogprobSettings, OverlongSettings, RefSettings,
+                                  RewardModelSettings, RewardSettings, RolloutSettings, ValuesSettings)
 
 __all__ = [
     "COLUMNS",
@@ -107,25 +110,7 @@ def prompt_source(**params: Param) -> DataSource:
     (see `rlgraph.ops.data.tasks`). The body is `rlgraph.ops.data.prompts.PromptSource`."""
     return DataSource(
         columns=_cols("prompt_ids", "data_source", "ground_truth", "extra_info"),
-        params={
-            "path": Param(str, "", "parquet or JSONL file of prompts in verl's layout; empty: generate data.task"),
-            "val_path": Param(str, "", "parquet or JSONL file of validation prompts (read in order); empty: the "
-                                       "generated task's test split, or no validation when data.path is set"),
-            "tokenizer": Param(str, "", "HF directory whose tokenizer and chat template encode the prompts (use "
-                                        "the policy's); empty: the built-in character tokenizer of the tiny models"),
-            "max_prompt_length": Param(int, 64, "longest prompt in tokens, chat template included", minimum=1),
-            "filter_overlong_prompts": Param(bool, True, "drop (and count) prompts longer than max_prompt_length; "
-                                                         "false: such a prompt is an error naming its row"),
-            "shuffle": Param(bool, True, "shuffle prompts each epoch (seeded by trainer.seed and the epoch)"),
-            "task": Param(str, "add", "built-in task generated when data.path is empty", choices=("add", "count")),
-            "num_rows": Param(int, 1024, "train rows generated when data.path is empty", minimum=1),
-            "num_val_rows": Param(int, 64, "validation rows generated when data.path and data.val_path are empty",
-                                  minimum=1),
-            "reader": Param(str, "auto", "how files are read: ray (Ray Data), local (pyarrow; JSONL line by line), "
-                                         "auto (ray when Ray runs in the process with a CPU free, else local)",
-                            choices=("auto", "ray", "local")),
-            **params,
-        },
+        params={**params_of(DataSettings), **params},
         impl="rlgraph.ops.data.prompts:PromptSource",
     )
 
@@ -134,7 +119,7 @@ def _validate_generate(params: Mapping[str, Any], connected: frozenset[str]) -> 
     from rlgraph.ops.rollout.parts import parse_token_ids
 
     try:
-        parse_token_ids(str(params.get("stop_token_ids", "")))
+        parse_token_ids(params["stop_token_ids"])
     except ValueError as e:
         return [Problem("op-config", str(e), "give token ids separated by commas, e.g. rollout.stop_token_ids=7,9")]
     return []
@@ -150,41 +135,8 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
                       "rollout_log_probs", "rollout_metrics", "policy_version", "policy_version_end"),
         granularity="group",
         group=group,
-        config_key="rollout",
-        params={
-            "n": Param(int, 4, "responses sampled per prompt (the group size)", minimum=1),
-            "backend": Param(str, "hf", "hf: transformers generate, a micro-batch at a time; vllm: a vLLM engine per "
-                             "rank, continuous batching (install with scripts/setup.sh --vllm=cpu or rlgraph[vllm])",
-                             choices=("hf", "vllm"), setup=True),
-            "model_path": Param(str, "", "policy model directory for a generation-only group (default: actor.model_path)",
-                                setup=True),
-            "temperature": Param(float, 1.0, "sampling temperature (0: greedy)", minimum=0.0),
-            "top_p": Param(float, 1.0, "nucleus sampling mass", minimum=0.0),
-            "top_k": Param(int, 0, "sample from the k most likely tokens (0: off)", minimum=0),
-            "max_new_tokens": Param(int, 16, "response length limit in tokens", minimum=1),
-            "stop_token_ids": Param(str, "", "token ids that end a response besides EOS, comma-separated (e.g. '7,9')"),
-            "micro_batch_size": Param(int, 16, "hf: prompts per transformers generate call (each call's samples are "
-                                      "handed on when it ends); vllm: unused, the engine batches continuously",
-                                      minimum=1),
-            "dtype": Param(str, "auto", "vllm: weights' dtype (auto: the model's on a GPU, float32 on CPU)",
-                           choices=("auto", "float32", "bfloat16", "float16"), setup=True),
-            "max_model_len": Param(int, 0, "vllm: longest prompt + response in tokens (0: the model's own limit)",
-                                   minimum=0, setup=True),
-            "gpu_memory_utilization": Param(float, 0.5, "vllm on a GPU: share of its memory the engine may take",
-                                            minimum=0.0, setup=True),
-            "cpu_kv_cache_gb": Param(int, 1, "vllm on CPU: KV-cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)",
-                                     minimum=1, setup=True),
-            "enforce_eager": Param(bool, True, "vllm: run the model eagerly (no CUDA graphs or compilation: quick to "
-                                   "start)", setup=True),
-            "sleep_mode": Param(bool, True, "vllm on a GPU shared with the update: free the engine's memory during the "
-                                "update and wake it before generating", setup=True),
-            "partial": Param(bool, False, "partial rollout, with trainer.max_staleness >= 1: weights the update "
-                             "writes while a generate call runs are loaded at once (vllm: between engine steps, so a "
-                             "response may start under one policy version and finish under the next, recorded in "
-                             "policy_version and policy_version_end; hf: between micro-batches). Fresher samples, "
-                             "but which tokens each version made depends on timing: a resume does not repeat them "
-                             "bit for bit"),
-        },
+        config_key=RolloutSettings.namespace,
+        params=params_of(RolloutSettings),
         impl="rlgraph.ops.train.actor:ActorWorker.generate",
         group_size_param="n",
         batching=Batching(micro_batch="micro_batch_size", per_rank=True),
@@ -231,21 +183,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
                  f"{name}_metrics": T.json().metric()},
         granularity="sample",
         group=group,
-        params={
-            "tokenizer": Param(str, "", "tokenizer directory for decoding responses (default: data.tokenizer, "
-                               "then actor.model_path, then the built-in character tokenizer)"),
-            "fn": Param(str, "rlgraph.ops.reward.functions:compute_score",
-                        "'module:function' or 'file.py:function' with signature compute_score(data_source, "
-                        "solution_str, ground_truth, extra_info=None) -> float | dict; may be async def"),
-            "micro_batch_size": Param(int, 64, "samples per call (a call goes to one reward worker)", minimum=1),
-            "executor": Param(str, "thread", "how a worker scores a call's samples concurrently: thread (I/O-bound "
-                              "functions) or process (CPU-heavy; a timed-out sample's process is killed); "
-                              "async def functions always run on an event loop", choices=EXECUTORS),
-            "concurrency": Param(int, 8, "samples scored at once per worker", minimum=1),
-            "timeout_s": Param(float, 60.0, "time limit per sample, from its start (0: none)", minimum=0.0),
-            "on_error": Param(str, "fail", "a sample whose function raised or timed out: fail the step, score it "
-                              "zero, or drop its group from training (drop_group)", choices=ON_ERROR),
-        },
+        params=params_of(RewardSettings),
         impl="rlgraph.ops.reward.rule:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,  # on_error=drop_group
@@ -269,17 +207,8 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
                  else T.float32(R, doc=f"reward-model score of the {name} op, on the last response token")},
         granularity="sample",
         group=group,
-        params={
-            "model_path": Param(str, "", "directory of a Hugging Face sequence-classification model (num_labels=1) "
-                                "with its tokenizer", setup=True),
-            "micro_batch_size": Param(int, 32, "samples per forward pass", minimum=1),
-            "offload": Param(bool, True, "on a GPU, keep the model on the CPU between calls (wake, score, sleep)",
-                             setup=True),
-            "dtype": Param(str, "float32", "weights' dtype", choices=("float32", "bfloat16", "float16"), setup=True),
-            "check_tokenizer": Param(bool, True, "refuse a reward model whose tokenizer maps the policy's tokens to "
-                                     "other ids (it reads the policy's token ids directly)", setup=True),
-        },
-        config_key="reward_model",  # the worker class reads its settings there, whatever the op's name
+        params=params_of(RewardModelSettings),
+        config_key=RewardModelSettings.namespace,  # the worker class reads its settings there, whatever the op's name
         impl="rlgraph.ops.reward.model:RewardModelWorker.compute_rm_score",
         batching=Batching(micro_batch="micro_batch_size"),
         cost=1.0,
@@ -323,16 +252,7 @@ def overlong_penalty(score_column: str = "rule_scores", group: str = "reward", n
         outputs={output_column: out, f"{name}_metrics": T.json().metric()},
         granularity="sample",
         group=group,
-        params={
-            "score_column": Param(str, score_column, "the score column the penalty is added to (set by the "
-                                  "declaration)", choices=(score_column,)),
-            "buffer_len": Param(int, 4, "overlong buffer: the last this many tokens before the maximum length are "
-                                "penalised linearly (DAPO's overlong_buffer.len)", minimum=1),
-            "penalty_factor": Param(float, 1.0, "penalty at the maximum length (DAPO's overlong_buffer."
-                                    "penalty_factor)", minimum=0.0),
-            "max_response_length": Param(int, 0, "the maximum response length the buffer ends at (0: "
-                                         "rollout.max_new_tokens)", minimum=0),
-        },
+        params=params_of(OverlongSettings, score_column=score_column),
         impl="rlgraph.ops.reward.rule:overlong_penalty",
         cost=0.05,
         doc="Soft overlong punishment (DAPO): a linear penalty in the last buffer_len tokens.",
@@ -367,22 +287,7 @@ def filter_groups(score_column: str = "raw_scores", metric_column: str | None = 
         outputs={**_cols("token_level_scores"), f"{name}_metrics": T.json().metric()},
         granularity="group",
         group=group,
-        params={
-            "score_column": Param(str, score_column, "the score column passed on as token_level_scores (set by the "
-                                  "declaration)", choices=(score_column,)),
-            "metric_column": Param(str, metric, "the column whose per-sample sum must vary within a group (set by "
-                                   "the declaration: filter_groups(metric_column=...))", choices=(metric,)),
-            "min_std": Param(float, 0.0, "a group whose metric has a standard deviation at most this is dropped "
-                             "(0: only groups whose samples all scored the same)", minimum=0.0),
-            "micro_batch_size": Param(int, 16, "groups per call", minimum=1),
-            "max_rounds": Param(int, 4, "generation rounds per step at most, the first included (verl's "
-                                "max_num_gen_batches): each round scores fresh prompts until the kept groups fill "
-                                "data.batch_size; 1: no refill, the step trains on what its one round kept",
-                                minimum=1),
-            "on_exhaust": Param(str, "train", "when max_rounds rounds kept fewer than data.batch_size groups: train "
-                                "on the groups kept (train) or stop the run with an error (fail, as verl)",
-                                choices=("train", "fail")),
-        },
+        params=params_of(FilterGroupsSettings, score_column=score_column, metric_column=metric),
         impl="rlgraph.ops.reward.rule:filter_groups",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,
@@ -392,17 +297,18 @@ def filter_groups(score_column: str = "raw_scores", metric_column: str | None = 
     ).with_(**changes)
 
 
-def _forward(name: str, output: tuple[str, ...], group: str, impl: str, state: str | None, doc: str) -> OpSpec:
+def _forward(settings: type[ForwardSettings], output: tuple[str, ...], group: str, impl: str, state: str | None,
+             doc: str) -> OpSpec:
     inputs = _cols(*_MODEL_INPUTS, "response_mask")
     if state:
         inputs[state] = COLUMNS[state]
     return OpSpec(
-        name=name,
+        name=settings.namespace,
         inputs=inputs,
         outputs=_cols(*output),
         granularity="sample",
         group=group,
-        params={"micro_batch_size": Param(int, 16, "samples per forward pass on a rank", minimum=1)},
+        params=params_of(settings),
         impl=impl,
         batching=Batching(micro_batch="micro_batch_size"),
         cost=1.0,
@@ -413,30 +319,25 @@ def _forward(name: str, output: tuple[str, ...], group: str, impl: str, state: s
 def old_logprob(group: str = "actor", **changes: Any) -> OpSpec:
     """Log-probs (and entropy) of the responses under the current policy, compared with the rollout
     engine's (``rollout_probs_diff`` metrics: how far the engine's distribution is from the trainer's)."""
-    spec = _forward("old_logprob", ("old_log_probs", "entropy", "old_logprob_metrics"), group,
+    spec = _forward(OldLogprobSettings, ("old_log_probs", "entropy", "old_logprob_metrics"), group,
                     "rlgraph.ops.train.actor:ActorWorker.compute_log_prob", "policy_weights",
                     "Forward pass of the actor on response tokens.")
     return spec.with_(
         inputs={**spec.inputs, **_cols("rollout_log_probs")},
         optional_inputs={"rollout_log_probs"},
-        params={**spec.params, "compare_rollout": Param(
-            bool, True, "compare with the rollout engine's log-probs of the same tokens (rollout_probs_diff_mean/max "
-            "metrics); makes generate return them")},
-        uses=lambda params: {"rollout_log_probs"} if params.get("compare_rollout") else set(),
+        uses=lambda params: {"rollout_log_probs"} if params["compare_rollout"] else set(),
     ).with_(**changes)
 
 
 def ref(group: str = "actor", **changes: Any) -> OpSpec:
     """Log-probs of the responses under the frozen reference policy."""
-    spec = _forward("ref", ("ref_log_prob",), group, "rlgraph.ops.train.actor:ActorWorker.compute_ref_log_prob",
-                    None, "Forward pass of the frozen reference model.")
-    params = {**spec.params, "model_path": Param(str, "", "reference model directory (default: actor.model_path)")}
-    return spec.with_(params=params, **changes)
+    return _forward(RefSettings, ("ref_log_prob",), group, "rlgraph.ops.train.actor:ActorWorker.compute_ref_log_prob",
+                    None, "Forward pass of the frozen reference model.").with_(**changes)
 
 
 def values(group: str = "critic", **changes: Any) -> OpSpec:
     """Critic values per response token."""
-    return _forward("values", ("values",), group, "rlgraph.ops.train.critic:CriticWorker.compute_values",
+    return _forward(ValuesSettings, ("values",), group, "rlgraph.ops.train.critic:CriticWorker.compute_values",
                     "critic_weights", "Forward pass of the critic (value head).").with_(**changes)
 
 
@@ -487,44 +388,15 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
         outputs=_cols("advantages", "returns", "token_level_rewards", "advantage_metrics"),
         granularity=granularity,  # type: ignore[arg-type]
         group=group,
-        config_key="algorithm",
+        config_key=AlgorithmSettings.namespace,
         optional_inputs={"values", "old_log_probs", "ref_log_prob"},
-        params={
-            "estimator": Param(str, estimator, "advantage estimator", choices=ESTIMATORS),
-            "gamma": Param(float, 1.0, "discount factor", minimum=0.0),
-            "lam": Param(float, 1.0, "GAE lambda", minimum=0.0),
-            "norm_adv_by_std": Param(bool, True, "GRPO: divide by the group std (false: Dr.GRPO)"),
-            "use_kl_in_reward": Param(bool, False, "subtract kl_coef * KL(policy || ref) from token rewards"),
-            "kl_penalty": Param(str, "kl", "KL estimator for the reward penalty", choices=KL_KINDS),
-            "kl_coef": Param(float, 0.001, "initial KL coefficient", minimum=0.0),
-            "kl_ctrl": Param(str, "fixed", "fixed or adaptive KL coefficient", choices=("fixed", "adaptive")),
-            "kl_target": Param(float, 0.1, "adaptive controller's KL target", minimum=0.0),
-            "kl_horizon": Param(int, 10000, "adaptive controller's horizon", minimum=1),
-        },
+        params=params_of(AlgorithmSettings, estimator=estimator),
         impl="rlgraph.ops.algos.advantage_op:AdvantageWorker.compute_advantage",
         validate=_validate_advantage(granularity),
         uses=_advantage_uses,
         cost=0.2,
         doc="Advantage estimation; a barrier for whitening estimators, per group for GRPO/RLOO.",
     ).with_(**changes)
-
-
-def _update_params(lr: float, extra: Mapping[str, Param]) -> dict[str, Param]:
-    return {
-        "model_path": Param(str, "", "local Hugging Face model directory (the critic defaults to actor.model_path)",
-                            setup=True),
-        "lr": Param(float, lr, "learning rate", minimum=0.0),
-        "mini_batch_size": Param(int, 4, "prompts per mini-batch (x n samples)", minimum=1),
-        "micro_batch_size": Param(int, 8, "samples per micro-batch on a rank (gradient accumulation)", minimum=1),
-        "ppo_epochs": Param(int, 1, "passes over the batch per step", minimum=1),
-        "grad_clip": Param(float, 1.0, "max global gradient norm (0: off)", minimum=0.0),
-        "weight_decay": Param(float, 0.0, "AdamW weight decay", minimum=0.0),
-        "lr_warmup_steps": Param(int, 0, "linear LR warm-up, in optimizer steps", minimum=0),
-        "loss_agg_mode": Param(str, "token-mean", "how token losses are aggregated", choices=AGG_MODES),
-        "backend": Param(str, "torch", "torch (DDP over gloo/nccl) or deepspeed", choices=ENGINE_BACKENDS),
-        "zero_stage": Param(int, 0, "DeepSpeed ZeRO stage (backend=deepspeed)", choices=(0, 1, 2, 3)),
-        **extra,
-    }
 
 
 def update_critic(group: str = "critic", **changes: Any) -> OpSpec:
@@ -535,10 +407,8 @@ def update_critic(group: str = "critic", **changes: Any) -> OpSpec:
         outputs=_cols("critic_metrics", "critic_weights"),
         granularity="batch",
         group=group,
-        config_key="critic",
-        params=_update_params(1e-5, {
-            "cliprange_value": Param(float, 0.5, "value clip range around the old values", minimum=0.0),
-        }),
+        config_key=CriticSettings.namespace,
+        params=params_of(CriticSettings),
         impl="rlgraph.ops.train.critic:CriticWorker.update_critic",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         cost=3.0,
@@ -585,28 +455,9 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
         outputs=_cols("actor_metrics", "policy_weights"),
         granularity="batch",
         group=group,
-        config_key="actor",
+        config_key=ActorSettings.namespace,
         optional_inputs={"ref_log_prob", "rollout_log_probs", "policy_version", "policy_version_end"},
-        params=_update_params(1e-6, {
-            "clip_ratio_low": Param(float, 0.2, "PPO clip below 1 (eps_low)", minimum=0.0),
-            "clip_ratio_high": Param(float, 0.2, "PPO clip above 1 (eps_high)", minimum=0.0),
-            "clip_ratio_c": Param(float, 3.0, "dual-clip bound for negative advantages", minimum=1.0),
-            "loss_mode": Param(str, "vanilla", "policy loss: vanilla (PPO clip, dual clip, per token) or gspo "
-                               "(one ratio per sequence, the geometric mean of its token ratios, clipped per "
-                               "sequence, aggregated seq-mean-token-mean; use clip ratios like 3e-4 / 4e-4)",
-                               choices=LOSS_MODES),
-            "entropy_coeff": Param(float, 0.0, "entropy bonus coefficient", minimum=0.0),
-            "use_kl_loss": Param(bool, False, "add kl_loss_coef * KL(policy || ref) to the loss (GRPO style)"),
-            "kl_loss_coef": Param(float, 0.001, "KL loss coefficient", minimum=0.0),
-            "kl_loss_type": Param(str, "low_var_kl", "KL estimator for the loss", choices=KL_KINDS),
-            "tis_cap": Param(float, 0.0, "truncated importance sampling against the rollout engine: weight each "
-                             "token's policy loss by min(exp(old_log_probs - rollout_log_probs), tis_cap); 0: off",
-                             minimum=0.0),
-            "decoupled_cap": Param(float, 0.0, "decoupled PPO (AReaL) for off-policy samples: clip the ratio against "
-                                   "old_log_probs (the proximal policy, recomputed by the current one) and weight "
-                                   "each token by exp(old_log_probs - rollout_log_probs), dropping tokens whose "
-                                   "weight exceeds this cap (> 1; AReaL uses 5); 0: off", minimum=0.0),
-        }),
+        params=params_of(ActorSettings),
         impl="rlgraph.ops.train.actor:ActorWorker.update_actor",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         skip_before="trainer.critic_warmup",

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
+from rlgraph.graph.settings import DataplaneSettings
 from rlgraph.runtime.cluster import RayHandle, alive_nodes, check_cluster, check_lost_nodes, start_ray
 from rlgraph.runtime.dataplane.base import DataPlaneDied, dead_actors
 from rlgraph.runtime.scheduler import Call, row_homes
@@ -54,7 +55,8 @@ class Fleet:
         self.plan = plan
         self.timeout_s = timeout_s
         self._plan_json = plan.model_dump_json()
-        self._backend = dataplane or plan.config.get("dataplane", {}).get("backend", "transferqueue")
+        self.dataplane_settings = DataplaneSettings.of(plan)
+        self._backend = dataplane or self.dataplane_settings.backend
         self._address = address
         self._on_ray_started = on_ray_started
         self._verbose = verbose
@@ -99,7 +101,7 @@ class Fleet:
         if self.plane is None:
             t0 = time.time()
             self.plane = self._start_dataplane()
-            units = int(self.plan.config.get("dataplane", {}).get("storage_units", 1))
+            units = self._storage_units()
             kind = "Ray object store" if self._backend == "ray" else f"TransferQueue, {units} storage unit(s)"
             self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s)")
         t0 = time.time()
@@ -136,8 +138,13 @@ class Fleet:
 
         if self._backend == "ray":
             return RayObjectStoreDataPlane.start(op_timeout_s=self.timeout_s)
-        units = int(self.plan.config.get("dataplane", {}).get("storage_units", 1))
-        return TransferQueueDataPlane.start(TransferQueueConfig(num_storage_units=units, op_timeout_s=self.timeout_s))
+        return TransferQueueDataPlane.start(TransferQueueConfig(num_storage_units=self._storage_units(),
+                                                                op_timeout_s=self.timeout_s))
+
+    def _storage_units(self) -> int:
+        units = self.dataplane_settings.storage_units
+        assert units is not None, "the compiler resolves dataplane.storage_units (one per node) into every plan"
+        return units
 
     def _create_group(self, name: str) -> None:
         """Start the actors of worker group `name` (not yet set up) on its pool's bundles."""
@@ -354,7 +361,7 @@ class Fleet:
     def homes(self, rows: int) -> tuple[list[int] | None, list[str] | None]:
         """Each row's storage unit and that unit's node (`scheduler.row_homes`), or None and None:
         TransferQueue's own rule (``dataplane.locality=hash``, or a plane that places rows by writer)."""
-        if self.plan.config["dataplane"]["locality"] != "node":
+        if self.dataplane_settings.locality != "node":
             return None, None
         units = self.plane.storage_nodes()
         homes = row_homes(self.plan, rows, self.node_of, units)

@@ -31,6 +31,7 @@ import torch
 from rlgraph.errors import OpError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.seeds import stable_seed
 
 __all__ = ["OpContext", "OpError", "BindingError", "binding_problems", "to_call_value",
@@ -223,7 +224,7 @@ class Invoker:
         self.dp = dp
         self.master_addr = master_addr
         self.master_port = master_port
-        self.seed = int(plan.config.get("trainer", {}).get("seed", 0))
+        self.seed = TrainerSettings.of(plan).seed
         self.instances: dict[str, Any] = {}
         self.bound: dict[str, _Bound] = {}
         self.state: dict[str, Any] = {}  # state columns produced or imported here

@@ -52,19 +52,19 @@ def make_reporter(out_dir: Path, plan: Plan | None = None, tty: bool | None = No
 
     Raises `ConfigError` for an unknown logger or one whose package is missing, before anything starts.
     """
-    from rlgraph.graph.dsl import TRAINER_PARAMS, parse_loggers
+    from rlgraph.graph.dsl import parse_loggers
+    from rlgraph.graph.settings import TrainerSettings
     from rlgraph.runtime.loggers import MLflowLogger, TensorBoardLogger, WandbLogger
 
     config = plan.config if plan is not None else {}
-    trainer = config.get("trainer", {})
-    text = trainer.get("logger", TRAINER_PARAMS["logger"].default)
+    trainer = TrainerSettings.of(config)  # without a plan: the defaults
     try:
-        names = parse_loggers(text)
+        names = parse_loggers(trainer.logger)
     except ValueError as e:
-        raise ConfigError(f"trainer.logger={text}: {e}") from None
+        raise ConfigError(f"trainer.logger={trainer.logger}: {e}") from None
     out_dir = Path(out_dir)
-    run_name = trainer.get("run_name") or out_dir.resolve().name or (plan.pipeline if plan else "rlgraph")
-    project, pipeline = trainer.get("project"), plan.pipeline if plan is not None else ""
+    run_name = trainer.run_name or out_dir.resolve().name or (plan.pipeline if plan else "rlgraph")
+    project, pipeline = trainer.project, plan.pipeline if plan is not None else ""
     tty = sys.stderr.isatty() if tty is None else tty
     reporters: list[Reporter] = [(RichReporter() if tty else LogReporter()) if "console" in names else FaultReporter()]
     for name in names:  # each checks its package here, so a missing one fails before Ray starts

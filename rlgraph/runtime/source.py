@@ -23,6 +23,7 @@ import torch
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, Plan
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.runtime.invoke import TORCH_DTYPES
 
 __all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad"]
@@ -96,9 +97,8 @@ class SourceWorker:
             raise SourceError(f"the plan's data source {self.plan.source!r} has no implementation (impl); give "
                               f"DataSource(impl='module:Class')")
         cls, _ = resolve_impl(self.plan.source_impl, self.plan.source_impl_file)
-        config = dict(self.plan.config.get(self.plan.source, {}))
-        seed = int(self.plan.config.get("trainer", {}).get("seed", 0))
-        self.source = cls(config, seed)
+        # the source's own section (a compiled plan has every key of it) and trainer.seed
+        self.source = cls(dict(self.plan.config[self.plan.source]), TrainerSettings.of(self.plan).seed)
         self.columns = {c: self.plan.columns[c] for c in self.plan.source_columns}
         self.client = handle.connect()
 

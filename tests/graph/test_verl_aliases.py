@@ -8,7 +8,8 @@ import pytest
 
 import rlgraph
 from rlgraph import PipelineError
-from rlgraph.graph.verl import VERL_ALIASES, VerlAliasNotice, aliases_of
+from rlgraph.graph.verl import VerlAliasNotice
+from rlgraph.ops.settings import VERL_ALIASES, aliases_of
 
 
 def _compile(pipeline, overrides):
@@ -74,3 +75,19 @@ def test_every_alias_points_at_a_key_of_the_bundled_pipelines(ppo):
     known = set(schema) | {"cluster.num_nodes", "cluster.gpus_per_node"}
     assert {ours for ours in VERL_ALIASES.values()} - known == set()
     assert aliases_of("rollout.max_new_tokens") == ["data.max_response_length", "actor_rollout_ref.rollout.response_length"]
+
+
+def test_an_alias_is_translated_by_the_keys_the_pipeline_has(grpo):
+    from rlgraph.ops import stages
+
+    # no critic in GRPO: verl's critic key stands for nothing in it
+    with pytest.raises(PipelineError, match="unknown config key 'critic.optim.lr'"):
+        rlgraph.compile(grpo, ["critic.optim.lr=1e-5"])
+    without_ref = grpo.with_ops(drop=["ref"])
+    with pytest.raises(PipelineError, match="'actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu' is a verl "
+                                            "config key with no equivalent among this pipeline's keys"):
+        rlgraph.compile(without_ref, ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"])
+    # the same op declared twice: the verl key would stand for both
+    twice = grpo.with_ops(stages.ref().with_(name="ref2"))
+    with pytest.raises(PipelineError, match="stands for 'ref.micro_batch_size' and 'ref2.micro_batch_size'"):
+        rlgraph.compile(twice, ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"])

@@ -44,6 +44,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlgraph.errors import RLGraphError
+from rlgraph.ops.settings import DataSettings
 
 __all__ = ["PromptDataError", "PromptTooLongError", "PromptSource", "read_table_rows"]
 
@@ -206,38 +207,38 @@ def _ground_truth(row: Mapping[str, Any]) -> str | None:
 class PromptSource:
     """verl-layout prompts (parquet/JSONL or a generated built-in task), tokenised; see the module doc.
 
-    `config` holds the ``data.*`` values of `rlgraph.ops.stages.prompt_source`; missing keys take
-    the defaults below. `seed` (``trainer.seed``) seeds the shuffle and generated rows.
+    `config` holds the ``data.*`` values of `rlgraph.ops.stages.prompt_source`
+    (`rlgraph.ops.settings.DataSettings`; a missing key takes its default). `seed` (``trainer.seed``)
+    seeds the shuffle and generated rows.
     """
 
-    def __init__(self, config: Mapping[str, Any], seed: int = 0) -> None:
-        cfg = {"path": "", "val_path": "", "tokenizer": "", "max_prompt_length": 64, "filter_overlong_prompts": True,
-               "shuffle": True, "task": "add", "num_rows": 1024, "num_val_rows": 64, "reader": "auto", **config}
+    def __init__(self, config: Mapping[str, Any], seed: int) -> None:
+        cfg = DataSettings.read(config)
         self.seed = int(seed)
-        self.shuffle = bool(cfg["shuffle"])
-        self.max_prompt_length = int(cfg["max_prompt_length"])
-        self.filter_overlong = bool(cfg["filter_overlong_prompts"])
-        self.tokenizer = self._tokenizer(cfg["tokenizer"])
+        self.shuffle = cfg.shuffle
+        self.max_prompt_length = cfg.max_prompt_length
+        self.filter_overlong = cfg.filter_overlong_prompts
+        self.tokenizer = self._tokenizer(cfg.tokenizer)
         self.num_filtered = 0  # overlong prompts dropped (train and validation files together)
 
-        if cfg["path"]:
-            train_rows = read_table_rows(cfg["path"], cfg["reader"])
-            train_name = str(cfg["path"])
+        if cfg.path:
+            train_rows = read_table_rows(cfg.path, cfg.reader)
+            train_name = cfg.path
         else:
             from rlgraph.ops.data.tasks import make_rows
 
-            train_rows = make_rows(cfg["task"], int(cfg["num_rows"]), self.seed, "train")
-            train_name = f"generated task {cfg['task']!r}"
+            train_rows = make_rows(cfg.task, cfg.num_rows, self.seed, "train")
+            train_name = f"generated task {cfg.task!r}"
         self._rows = self._prepare(train_rows, train_name)
 
         self._val_rows: list[tuple] | None = None
-        if cfg["val_path"]:
-            self._val_rows = self._prepare(read_table_rows(cfg["val_path"], cfg["reader"]), str(cfg["val_path"]))
-        elif not cfg["path"]:
+        if cfg.val_path:
+            self._val_rows = self._prepare(read_table_rows(cfg.val_path, cfg.reader), cfg.val_path)
+        elif not cfg.path:
             from rlgraph.ops.data.tasks import make_rows
 
-            rows = make_rows(cfg["task"], int(cfg["num_val_rows"]), self.seed, "test")
-            self._val_rows = self._prepare(rows, f"generated task {cfg['task']!r} (test split)")
+            rows = make_rows(cfg.task, cfg.num_val_rows, self.seed, "test")
+            self._val_rows = self._prepare(rows, f"generated task {cfg.task!r} (test split)")
 
         self.epoch, self.offset, self.val_offset = 0, 0, 0
         self._order = self._permutation(0)

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from rlgraph.errors import ConfigError
-from rlgraph.ops.context import section
+from rlgraph.graph.settings import GroupSettings
 from rlgraph.ops.models import (
     ModelLoadError,
     _check_dir,
@@ -45,6 +45,7 @@ from rlgraph.ops.models import (
     load_tokenizer,
     optimizer_step,
 )
+from rlgraph.ops.settings import ActorSettings, DataSettings, RewardModelSettings
 
 __all__ = [
     "RewardModelError",
@@ -139,7 +140,7 @@ def score_sequences(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def _policy_tokenizer_path(ctx: Any) -> str:
-    return section(ctx, "actor").get("model_path") or section(ctx, "data").get("tokenizer") or ""
+    return ActorSettings.of(ctx).model_path or DataSettings.of(ctx).tokenizer
 
 
 def _check_same_vocab(rm_tokenizer: Any, policy_path: str, rm_path: Path) -> None:
@@ -163,25 +164,22 @@ class RewardModelWorker:
     """A frozen reward model on one worker; `compute_rm_score` is the op body."""
 
     def setup(self, ctx: Any) -> None:
-        cfg = section(ctx, "reward_model")
-        path = cfg.get("model_path")
+        cfg = RewardModelSettings.of(ctx)
+        path = cfg.model_path
         if not path:
             raise ConfigError("reward_model.model_path is not set: give a local Hugging Face directory holding an "
                               f"AutoModelForSequenceClassification checkpoint (num_labels=1), or {_TINY_FIX}")
         self.model_path = Path(str(path)).expanduser()
-        dtype_name = str(cfg.get("dtype", "float32"))
-        if dtype_name not in _DTYPES:
-            raise ConfigError(f"reward_model.dtype={dtype_name!r} is not supported; use one of {', '.join(_DTYPES)}")
         self.device = torch.device("cuda") if _gets_gpu(ctx) else torch.device("cpu")
         # "wakes, scores, sleeps": on a GPU shared with the policy, keep the weights on the CPU between calls
-        self.offload = bool(cfg.get("offload", True)) and self.device.type == "cuda"
-        self.model = load_reward_model(self.model_path, _DTYPES[dtype_name])
+        self.offload = cfg.offload and self.device.type == "cuda"
+        self.model = load_reward_model(self.model_path, _DTYPES[cfg.dtype])
         self.model.requires_grad_(False)
         try:
             self.tokenizer = load_tokenizer(self.model_path)
         except ModelLoadError as e:
             raise RewardModelError(f"reward_model.model_path: {e}") from e
-        if cfg.get("check_tokenizer", True) and _policy_tokenizer_path(ctx):
+        if cfg.check_tokenizer and _policy_tokenizer_path(ctx):
             _check_same_vocab(self.tokenizer, _policy_tokenizer_path(ctx), self.model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else 0
@@ -231,10 +229,8 @@ def _gets_gpu(ctx: Any) -> bool:
     """CUDA is there and this worker's group was given GPUs (when the config says)."""
     if not torch.cuda.is_available():
         return False
-    group = section(ctx, "groups").get(getattr(ctx, "group", ""), None)
-    if isinstance(group, dict) and "num_gpus" in group:
-        return float(group["num_gpus"] or 0) > 0
-    return True
+    group = GroupSettings.find(ctx, f"groups.{getattr(ctx, 'group', '')}")  # None: a bare context in a test
+    return group is None or group.num_gpus > 0
 
 
 def _response_lengths(ctx: Any, response_mask: torch.Tensor | None, rows: int) -> list[int]:

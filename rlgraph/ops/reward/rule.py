@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from rlgraph.ops.context import section
 from rlgraph.ops.models import char_tokenizer, load_tokenizer
 from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
+from rlgraph.ops.settings import ActorSettings, DataSettings, RolloutSettings
 
 __all__ = ["RewardWorker", "combine_rewards", "overlong_penalty", "overlong_penalties"]
 
@@ -35,7 +35,7 @@ __all__ = ["RewardWorker", "combine_rewards", "overlong_penalty", "overlong_pena
 
 class RewardWorker:
     def setup(self, ctx: Any) -> None:
-        self.default_tokenizer = section(ctx, "data").get("tokenizer") or section(ctx, "actor").get("model_path")
+        self.default_tokenizer = DataSettings.of(ctx).tokenizer or ActorSettings.of(ctx).model_path
         self.tokenizers: dict[str, Any] = {}
         self.scorers: dict[tuple, RewardScorer] = {}
 
@@ -113,7 +113,8 @@ def overlong_penalty(response_mask: torch.Tensor, *, score_column: str, buffer_l
                      max_response_length: int, ctx: Any, **inputs: Any) -> dict[str, Any]:
     """Body of `stages.overlong_penalty`: ``token_level_scores = <score_column> + penalty`` on each
     response's last token."""
-    max_len = int(max_response_length) or int(section(ctx, "rollout").get("max_new_tokens", 0))
+    rollout = RolloutSettings.find(ctx)  # None: no generate op, so no response length limit to take
+    max_len = int(max_response_length) or (rollout.max_new_tokens if rollout is not None else 0)
     if max_len <= 0:
         raise ValueError(f"{ctx.op}: no maximum response length: set {ctx.op}.max_response_length or "
                          f"rollout.max_new_tokens")

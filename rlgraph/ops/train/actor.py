@@ -25,11 +25,12 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from rlgraph.errors import InvariantError
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, gspo_policy_loss, kl_loss,
                                logprobs_from_logits, masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
-from rlgraph.ops.context import section
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
+from rlgraph.ops.settings import ActorSettings, RolloutSettings
 from rlgraph.ops.train.sequences import pack, response_logits, split_rows
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
 
@@ -49,13 +50,13 @@ class ActorWorker(TrainerMixin):
 
     def setup(self, ctx: Any) -> None:
         self.ctx = ctx
-        actor, rollout = section(ctx, "actor"), section(ctx, "rollout")
-        self.model_path = actor.get("model_path") or rollout.get("model_path")
+        actor, rollout, trainer = ActorSettings.of(ctx), RolloutSettings.of(ctx), TrainerSettings.of(ctx)
+        self.model_path = actor.model_path or rollout.model_path
         if not self.model_path:
             raise ValueError("no model: set actor.model_path (or rollout.model_path) to a local Hugging Face "
                              "model directory")
-        self.temperature = float(rollout.get("temperature", 1.0)) or 1.0
-        self.seed = int(section(ctx, "trainer").get("seed", 0))
+        self.temperature = rollout.temperature or 1.0  # greedy sampling (0): log-probs of the plain distribution
+        self.seed = trainer.seed
         torch.manual_seed(self.seed)
         self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
         self.model = load_causal_lm(self.model_path)
@@ -67,9 +68,9 @@ class ActorWorker(TrainerMixin):
         # the one version counter: updates the model's weights have seen (0: the weights at
         # model_path); generate writes it into each sample's policy_version column
         self.policy_version = 0
-        self.max_staleness = int(section(ctx, "trainer").get("max_staleness", 0))
-        self.backend = rollout.get("backend", "hf")
-        self.rollout_options = {k: rollout[k] for k in _ENGINE_OPTIONS if k in rollout}
+        self.max_staleness = trainer.max_staleness
+        self.backend = rollout.backend
+        self.rollout_options = {k: getattr(rollout, k) for k in _ENGINE_OPTIONS}
         self.rollout_engine: Any = None  # a VLLMEngine, started on the first generate call
         self.engine_holds: int | None = None  # the policy_version the engine holds (None: unknown, sync it)
         self.init_trainer(ctx)

@@ -12,9 +12,10 @@ from typing import Any, Mapping
 
 import torch
 
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import agg_loss, value_loss
-from rlgraph.ops.context import section
 from rlgraph.ops.models import load_critic, load_tokenizer
+from rlgraph.ops.settings import ActorSettings, CriticSettings
 from rlgraph.ops.train.sequences import pack, split_rows
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
 
@@ -28,11 +29,11 @@ def _values(model: torch.nn.Module, input_ids, attention_mask, position_ids, P: 
 
 class CriticWorker(TrainerMixin):
     def setup(self, ctx: Any) -> None:
-        path = section(ctx, "critic").get("model_path") or section(ctx, "actor").get("model_path")
+        path = CriticSettings.of(ctx).model_path or ActorSettings.of(ctx).model_path
         if not path:
             raise ValueError("no critic model: set critic.model_path (or actor.model_path) to a local Hugging Face "
                              "model directory")
-        torch.manual_seed(int(section(ctx, "trainer").get("seed", 0)) + 1)
+        torch.manual_seed(TrainerSettings.of(ctx).seed + 1)
         self.tokenizer = load_tokenizer(path)
         self.model = load_critic(path)
         self.model.eval()

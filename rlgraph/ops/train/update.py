@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlgraph.ops.context import section
+from rlgraph.graph.settings import TrainerSettings
 
 __all__ = ["kept_rows", "TrainerMixin"]
 
@@ -35,7 +35,7 @@ class TrainerMixin:
 
     def init_trainer(self, ctx: Any) -> None:
         self.rank, self.dp = ctx.rank, ctx.dp
-        self.seed = int(section(ctx, "trainer").get("seed", 0))
+        self.seed = TrainerSettings.of(ctx).seed
         self.engine = None
         self._pending_state: Mapping[str, Any] | None = None
         if ctx.dp > 1:
