@@ -112,6 +112,12 @@ def test_no_cycles_between_rooms():
     assert not cycles, "rooms importing each other: " + "; ".join(" -> ".join(c + c[:1]) for c in cycles[:5])
 
 
+def test_the_runner_stays_a_short_story():
+    # issue 24: the step loop and the order of things only; a branch that grows goes to a module of its own
+    lines = len((PKG / "runtime" / "runner.py").read_text().splitlines())
+    assert lines <= 350, f"rlgraph/runtime/runner.py has {lines} lines (at most 350): move a branch to its module"
+
+
 def test_layers_import_only_downward():
     bad = [(a, b) for a, b in import_graph().edges
            if (a.startswith("rlgraph.graph") and b.startswith(("rlgraph.ops", "rlgraph.runtime")))

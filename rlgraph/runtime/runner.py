@@ -25,6 +25,7 @@ from typing import Any, Callable
 from rlgraph.errors import RLGraphError, StepTimeout, WorkerDiedError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import Plan
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.runtime.checkpoint import check_compatible, latest_checkpoint, write_checkpoint
 from rlgraph.runtime.dataplane.base import DataPlaneDied
 from rlgraph.runtime.fleet import PLANE, Fleet
@@ -50,12 +51,12 @@ class Runner:
     def __init__(self, plan: Plan, options: RunOptions, plane: Any = None) -> None:
         """`plane`: an already started data plane to use (and leave running), e.g. a test session's."""
         self.plan, self.opts = plan, options
-        trainer = plan.config["trainer"]
-        self.steps = options.steps if options.steps is not None else trainer["steps"]
-        self.schedule = options.schedule or trainer["schedule"]
-        self.val_every, self.save_every = trainer["val_every"], trainer["save_every"]
-        self.depth = trainer["max_staleness"] + 1  # steps in flight
-        self.max_retries = options.max_retries if options.max_retries is not None else trainer["max_retries"]
+        trainer = TrainerSettings.of(plan)
+        self.steps = options.steps if options.steps is not None else trainer.steps
+        self.schedule = options.schedule or trainer.schedule
+        self.val_every, self.save_every = trainer.val_every, trainer.save_every
+        self.depth = trainer.max_staleness + 1  # steps in flight
+        self.max_retries = options.max_retries if options.max_retries is not None else trainer.max_retries
         self.reporter: Reporter = options.reporter or Reporter()
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
                            options.verbose, on_phase=lambda message: self.reporter.phase(message),
@@ -68,8 +69,7 @@ class Runner:
         self.slots = Slots(plan)
         self.idle = IdleClock()
         self.refiller = Refiller(self) if plan.refill is not None else None
-        # made once the fleet knows which groups keep state
-        self.window: Window | None = None
+        self.window: Window | None = None  # these three: made once the fleet knows which groups keep state
         self.weights: WeightMover | None = None
         self.recovery: Recovery | None = None
 
