@@ -18,23 +18,39 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rlgraph.errors import RefillExhausted
+from rlgraph.graph.plan import Plan
+from rlgraph.runtime.fleet import Fleet
 from rlgraph.runtime.recovery import plane_lost
-from rlgraph.runtime.scheduler import StepScheduler
+from rlgraph.runtime.scheduler import Slots, StepScheduler
 from rlgraph.runtime.step import ROUND, LiveStep, StepKey, StepRecord
-
-if TYPE_CHECKING:
-    from rlgraph.runtime.runner import Runner
+from rlgraph.runtime.window import Window
 
 __all__ = ["Refiller"]
+
+
+class StepRunner(Protocol):
+    """What the rounds need of the runner (`rlgraph.runtime.runner.Runner` is one)."""
+
+    plan: Plan
+    fleet: Fleet
+    window: Window
+    slots: Slots
+    schedule: str
+    reporter: Any
+
+    def admit(self, key: StepKey, partition: str | None = None, ops: set[str] | None = None,
+              uid_start: int | None = None, reads: int | None = None) -> LiveStep: ...
+
+    def run_alone(self, lv: LiveStep) -> None: ...
 
 
 class Refiller:
     """Fills a training step's batch by rounds of the ops up to the filter."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         self.runner = runner
         self.plan = runner.plan
         self._said_exhausted = False
