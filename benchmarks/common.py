@@ -126,7 +126,8 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 MARK = "<!-- bench:{}:{} -->"
-ORDER = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality", "findings"]
+ORDER = ["trl", "overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality",
+         "findings"]
 HEADER = """# Performance
 
 Every speed claim of rlgraph has a benchmark under `benchmarks/` that measures its comparison in
@@ -136,7 +137,7 @@ everything or one section (the other sections are kept):
 
 ```bash
 .venv/bin/python -m benchmarks.run all            # every section (about 15 minutes on 2 cores)
-.venv/bin/python -m benchmarks.run overlap        # or: real, traffic, dataplane, padding, scale, rollout, staleness, leaks, locality
+.venv/bin/python -m benchmarks.run overlap        # or: real, traffic, dataplane, padding, scale, rollout, staleness, leaks, locality, trl
 .venv/bin/python -m benchmarks.run all --quick    # tiny sizes, a smoke test (what the tests run)
 ```
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
-NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality"]
+NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality",
+         "trl"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = args.doc or common.DOC
     names = NAMES if "all" in args.names else [n for n in NAMES if n in args.names]
+    if "all" in args.names and importlib.util.find_spec("trl") is None:
+        print("== trl: skipped (TRL is not installed: pip install 'rlgraph[bench]')", flush=True)
+        names.remove("trl")
     svg = None if args.doc else common.ROOT / "docs" / "img" / "overlap.svg"
     try:
         for name in names:

@@ -25,10 +25,10 @@ marked `FIXED` takes no other value than the declared one (``overlong.score_colu
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Mapping, Union, get_args, get_origin
 
 from annotated_types import Ge
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import PydanticUndefined
 
 from rlgraph.errors import ConfigError, DeclarationError
@@ -86,21 +86,42 @@ class Section(BaseModel):
             raise ConfigError(f"config section {ns!r}: {bad}") from None
 
     @classmethod
-    def find(cls, where: Any, namespace: str | None = None) -> Self | None:
-        """This section of a resolved config, or None if it has none (a pipeline without the op).
-        `where` is an op context, a `Plan` or a built graph (anything with a ``config``), or the
-        config itself, nested (``{"trainer": {"seed": 0}}``) or flat (``{"trainer.seed": 0}``)."""
-        ns = namespace or cls.namespace
+    def _raw(cls, where: Any, ns: str) -> Mapping[str, Any] | None:
         config = where if isinstance(where, Mapping) or where is None else where.config
         config = config or {}
         node: Any = config
         for part in ns.split("."):
             node = node.get(part) if isinstance(node, Mapping) else None
         if isinstance(node, Mapping):
-            return cls.read(node, ns)
+            return node
         prefix = ns + "."
         flat = {k[len(prefix):]: v for k, v in config.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-        return cls.read(flat, ns) if flat else None
+        return flat or None
+
+    @classmethod
+    def find(cls, where: Any, namespace: str | None = None) -> Self | None:
+        """This section of a resolved config, or None if it has none (a pipeline without the op).
+        `where` is an op context, a `Plan` or a built graph (anything with a ``config``), or the
+        config itself, nested (``{"trainer": {"seed": 0}}``) or flat (``{"trainer.seed": 0}``)."""
+        ns = namespace or cls.namespace
+        raw = cls._raw(where, ns)
+        return None if raw is None else cls.read(raw, ns)
+
+    @classmethod
+    def value(cls, where: Any, key: str, namespace: str | None = None) -> Any:
+        """One key of this section (see `find` for `where`), checked against its own field only;
+        the field's default where the config lacks it. For a body reading one key of another op's
+        section (a reward worker reading ``data.tokenizer``): that section's other keys may be a
+        custom op's or source's, declared otherwise, and must not fail it."""
+        ns = namespace or cls.namespace
+        field = cls.model_fields[key]
+        raw = cls._raw(where, ns) or {}
+        if key not in raw:
+            return field.default
+        try:
+            return TypeAdapter(Annotated[field.annotation, field], config=ConfigDict(strict=True)).validate_python(raw[key])
+        except ValidationError as e:
+            raise ConfigError(f"config key {ns}.{key}: {e.errors()[0]['msg']} (got {raw[key]!r})") from None
 
     @classmethod
     def of(cls, where: Any, namespace: str | None = None) -> Self:

@@ -36,7 +36,9 @@ __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "
            "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
            "RESUMABLE_KEYS", "state_skeleton", "load_part", "checkpoint_steps"]
 
-CHECKPOINT_FORMAT = "rlgraph.checkpoint.v1"
+# v2: op bodies moved into ops/ families (reward.fn's default path changed) and the policy weights carry
+# their writing step as "step" and one "policy_version": a v1 checkpoint's config and weights do not fit
+CHECKPOINT_FORMAT = "rlgraph.checkpoint.v2"
 _TENSOR = "__tensor__"
 
 

@@ -21,7 +21,7 @@ class _Many(Reporter):
     """Calls every reporter. A tracker that fails after it started (a lost connection to a tracking
     server, a full disk) is reported once and left out from then on: the training run goes on, and
     the other reporters still get every call and are all closed. A failure in `start` is raised
-    (the logger the user asked for cannot run), after closing the reporters started before it."""
+    (the logger the user asked for cannot run); the runner's `close` then closes every reporter."""
 
     def __init__(self, reporters: list[Reporter]) -> None:
         self.reporters = reporters

@@ -246,7 +246,7 @@ class Runner:
         sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, ops, slots=self.slots,
                               gated=self.window.gated_ops(reads_fixed=not key.training), row_nodes=row_nodes,
                               rank_nodes=self.fleet.node_of)
-        self.window.admit(key, sched, reads=reads)
+        self.window.admit(key, sched, reads=step if reads is None and not key.training else reads)
         if key.training:
             self.reporter.step_started(step, sched.chunk_counts())
         return LiveStep(key, partition, sched, list(is_padding), t0, bytes0)

@@ -3,7 +3,8 @@
 A state column written by one group and read by another (the policy written by the update and
 read by a separate rollout group; any group with several ranks reading rank 0's copy) crosses
 groups as a Ray object reference, worker to worker: the driver keeps the reference by producer
-step (`WeightMover.kept`), never the tensors. `rlgraph.runtime.window` decides which version each
+step (`WeightMover.kept`); tensors pass through the driver only for a checkpoint (the older kept
+versions) and a restore. `rlgraph.runtime.window` decides which version each
 read sees and when a group must be given it; this module carries that out and keeps the versions
 a later step, a checkpoint or a restore still needs.
 """

@@ -220,7 +220,7 @@ class GroupWorker:
 
 class FaultInjectingWorker(GroupWorker):
     """`GroupWorker` with the runner's fault-injection hook (`rlgraph.runtime.recovery.Fault`): the
-    fleet starts this class instead only when a run is given faults (tests, the soak), so the calls
+    fleet starts this class instead only when a run is given faults (`RunOptions.faults`, tests), so the calls
     of every other run carry none of it. A call given ``fault``: ``raise`` fails after reading its
     inputs, before the body runs; ``kill`` ends this actor's process before that; ``kill_after``
     ends it once the call's outputs are written, before its result is returned."""

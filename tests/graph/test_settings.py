@@ -153,3 +153,15 @@ def test_no_module_reads_a_config_key_with_its_own_default():
            for line, call in reads_with_own_default(path.read_text())]
     assert not bad, ("config keys read with a default of their own (read the settings model instead, e.g. "
                      "TrainerSettings.of(ctx).seed):\n" + "\n".join(bad))
+
+
+def test_one_key_of_another_ops_section_is_read_without_checking_its_other_keys():
+    # a custom data source named "data" may declare keys the built-in one types otherwise
+    from rlgraph.errors import ConfigError
+    from rlgraph.ops.settings import ActorSettings, DataSettings
+
+    custom = {"data": {"tokenizer": "/models/tok", "task": "mult", "num_rows": 0}, "actor": {"lr": 1}}
+    assert DataSettings.value(custom, "tokenizer") == "/models/tok"
+    assert ActorSettings.value(custom, "model_path") == ""  # not set: the field's default
+    with pytest.raises(ConfigError, match="config key data.tokenizer: Input should be a valid string"):
+        DataSettings.value({"data": {"tokenizer": 3}}, "tokenizer")

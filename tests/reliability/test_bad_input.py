@@ -296,8 +296,8 @@ def _checkpoint(root: Path, step: int, meta: str | None = None) -> Path:
 CHECKPOINT_META_CASES = {
     "corrupt": ('{"format": "rlgraph.checkp', "is not valid JSON"),
     "binary": ("\udcff", "is not valid JSON (UnicodeDecodeError"),
-    "other version": (json.dumps({"format": "rlgraph.checkpoint.v2", "step": 3}),
-                      "is checkpoint format 'rlgraph.checkpoint.v2', but this rlgraph reads 'rlgraph.checkpoint.v1'; "
+    "other version": (json.dumps({"format": "rlgraph.checkpoint.v1", "step": 3}),
+                      "is checkpoint format 'rlgraph.checkpoint.v1', but this rlgraph reads 'rlgraph.checkpoint.v2'; "
                       "resume it with the rlgraph that wrote it, or move away"),
     "no format": (json.dumps({"step": 3}), "is checkpoint format None, but this rlgraph reads"),
     "not an object": ("[3]", "holds a JSON list, not the checkpoint's metadata object"),

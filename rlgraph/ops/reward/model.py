@@ -140,7 +140,7 @@ def score_sequences(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def _policy_tokenizer_path(ctx: Any) -> str:
-    return ActorSettings.of(ctx).model_path or DataSettings.of(ctx).tokenizer
+    return ActorSettings.value(ctx, "model_path") or DataSettings.value(ctx, "tokenizer")
 
 
 def _check_same_vocab(rm_tokenizer: Any, policy_path: str, rm_path: Path) -> None:

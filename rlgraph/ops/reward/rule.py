@@ -35,7 +35,7 @@ __all__ = ["RewardWorker", "combine_rewards", "overlong_penalty", "overlong_pena
 
 class RewardWorker:
     def setup(self, ctx: Any) -> None:
-        self.default_tokenizer = DataSettings.of(ctx).tokenizer or ActorSettings.of(ctx).model_path
+        self.default_tokenizer = DataSettings.value(ctx, "tokenizer") or ActorSettings.value(ctx, "model_path")
         self.tokenizers: dict[str, Any] = {}
         self.scorers: dict[tuple, RewardScorer] = {}
 

@@ -65,8 +65,9 @@ class ActorWorker(TrainerMixin):
         # weights made by any rank of this group are ours: DDP keeps the replicas identical, so
         # only a generation-only group (another name) loads policy_weights
         self.id = ctx.group
-        # the one version counter: updates the model's weights have seen (0: the weights at
-        # model_path); generate writes it into each sample's policy_version column
+        # the one version counter: how many updates the loaded weights have had (0: the weights
+        # at model_path), made here or in the group that trains them; generate writes it into each
+        # sample's policy_version column, and the update checks staleness against it
         self.policy_version = 0
         self.max_staleness = trainer.max_staleness
         self.backend = rollout.backend

@@ -29,7 +29,7 @@ def _values(model: torch.nn.Module, input_ids, attention_mask, position_ids, P: 
 
 class CriticWorker(TrainerMixin):
     def setup(self, ctx: Any) -> None:
-        path = CriticSettings.of(ctx).model_path or ActorSettings.of(ctx).model_path
+        path = CriticSettings.of(ctx).model_path or ActorSettings.value(ctx, "model_path")
         if not path:
             raise ValueError("no critic model: set critic.model_path (or actor.model_path) to a local Hugging Face "
                              "model directory")

@@ -138,10 +138,11 @@ def test_new_weights_reach_the_engine_and_change_its_log_probs(model_dir, invoke
     worker = next(iter(vl.instances.values()))
     rows, pad = _prompts(model_dir, 2)
     _, before = _generate(vl, vllm_plan, rows, pad)
-    assert worker.rollout_version == worker.model_version
+    assert worker.engine_holds == worker.policy_version
     # weights from "another group" (a trainer elsewhere): every parameter scaled
     state = {k: v * 1.5 for k, v in worker.model.state_dict().items()}
-    vl.state["policy_weights"] = {"version": 7, "owner": "trainer", "state": state}
+    version = worker.policy_version
+    vl.state["policy_weights"] = {"step": 7, "policy_version": version + 7, "owner": "trainer", "state": state}
     try:
         _, after = _generate(vl, vllm_plan, rows, pad)
         metrics = vl.last_rest["rollout_metrics"]
@@ -153,7 +154,8 @@ def test_new_weights_reach_the_engine_and_change_its_log_probs(model_dir, invoke
         assert vl.last_rest["rollout_metrics"]["weight_sync_bytes"] == 0
         assert all(torch.equal(after["responses"][i], again["responses"][i]) for i in range(len(rows)))
     finally:
-        vl.state["policy_weights"] = {"version": 8, "owner": "trainer", "state": {k: v / 1.5 for k, v in state.items()}}
+        vl.state["policy_weights"] = {"step": 8, "policy_version": version, "owner": "trainer",
+                                      "state": {k: v / 1.5 for k, v in state.items()}}
         _generate(vl, vllm_plan, rows, pad)
 
 
@@ -232,7 +234,7 @@ def test_partial_rollout_in_the_generate_body_records_both_versions(model_dir, i
     ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
     for i, r in enumerate(rows):
         ids[i, :len(r)] = r
-    base, version0 = worker.version + 1, worker.policy_version
+    base, version0 = 10, worker.policy_version  # the offer below is written at step `base`
 
     def run(step, offer):
         state = {}
@@ -256,7 +258,7 @@ def test_partial_rollout_in_the_generate_body_records_both_versions(model_dir, i
                 cols.setdefault(c, {}).update(zip(positions, vals))
         return cols, metrics
 
-    offer = {"version": base, "policy_version": version0 + 3, "owner": "trainer",
+    offer = {"step": base, "policy_version": version0 + 3, "owner": "trainer",
              "state": {k: v * 1.5 for k, v in original.items()}}
     try:
         too_new, m = run(step=base, offer=offer)  # written at the step itself: not for this step
@@ -268,9 +270,9 @@ def test_partial_rollout_in_the_generate_body_records_both_versions(model_dir, i
         first = {int(cols["policy_version"][i]) for i in real}
         last = {int(cols["policy_version_end"][i]) for i in real}
         assert first == {version0} and version0 + 3 in last  # started on the old weights, finished on the new
-        assert worker.version == base and worker.policy_version == version0 + 3
+        assert worker.policy_version == version0 + 3 and worker.engine_holds == version0 + 3
     finally:
-        worker._sync({"version": base + 1, "owner": "trainer", "policy_version": version0, "state": original})
+        worker._sync({"step": base + 1, "owner": "trainer", "policy_version": version0, "state": original})
 
 
 @pytest.mark.slow

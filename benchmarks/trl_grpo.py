@@ -1,0 +1,83 @@
+"""TRL's GRPOTrainer on rlgraph's GRPO example task: the peer that `benchmarks/trl_peer.py` times.
+
+Run as its own process (one per measured run, as `rlgraph run` is), so start-up is counted the
+same way for both. Writes one JSON line per step to OUT: when the step began and ended (seconds
+since the epoch) and the batch's mean reward.
+
+    python -m benchmarks.trl_grpo --model DIR --batch 16 --steps 45 --out FILE [--seed 0]
+
+Needs the benchmark extra: pip install 'rlgraph[bench]' (trl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+T0 = time.time()  # as early as this process can tell
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, help="the warm-started tiny policy of examples/grpo.py")
+    p.add_argument("--batch", type=int, required=True, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--t0", type=float, default=None, help="when the parent started this process")
+    a = p.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlgraph.ops.data.tasks import make_rows
+    from rlgraph.ops.models import load_causal_lm, load_tokenizer
+    from rlgraph.ops.reward.functions import compute_score
+
+    rows = make_rows("add", 1024, seed=a.seed, split="train")  # what data.task=add generates
+    data = Dataset.from_list([{"prompt": list(r["prompt"]), "ground_truth": str(r["reward_model"]["ground_truth"]),
+                               "data_source": r["data_source"]} for r in rows])
+
+    def reward(completions, ground_truth, data_source, **_):
+        return [float(compute_score(ds, c[0]["content"] if isinstance(c, list) else c, gt))
+                for c, gt, ds in zip(completions, ground_truth, data_source)]
+
+    steps: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            steps.append({"step": state.global_step, "t_begin": time.time()})
+
+        def on_step_end(self, args, state, control, **kw):
+            steps[-1]["t_end"] = time.time()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs and steps:
+                steps[-1]["reward"] = float(logs["reward"])
+
+    config = GRPOConfig(
+        output_dir=os.path.dirname(os.path.abspath(a.out)) or ".", seed=a.seed, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, max_steps=a.steps,
+        per_device_train_batch_size=a.batch * a.n, gradient_accumulation_steps=1, num_generations=a.n,
+        max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0,  # rollout.* of the example
+        learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        beta=0.001, loss_type="dapo",  # actor.kl_loss_coef (k3), token-mean over the batch
+        num_iterations=1, epsilon=0.2, scale_rewards="group", dataloader_num_workers=0,
+    )
+    tok = load_tokenizer(a.model, padding_side="left")
+    trainer = GRPOTrainer(model=load_causal_lm(a.model), reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    with open(a.out, "w") as f:
+        f.write(json.dumps({"t0": a.t0 or T0}) + "\n")
+        for s in steps:
+            f.write(json.dumps(s) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""rlgraph against TRL's GRPOTrainer, side by side on the GRPO example's task.
+
+Both train the same warm-started tiny policy (examples/grpo.py's, built once by its `prepare`)
+on the same generated addition prompts with the same reward function, and each measured run is a
+process of its own (`rlgraph run ...`; `python -m benchmarks.trl_grpo ...`), so start-up counts
+the same way. Runs alternate between the two (rlgraph, TRL, rlgraph, TRL, ...), so the machine's
+noise falls on both alike; the table gives the median over runs of each run's median s/step
+(the first `skip` steps left out), start-up (process start to the first step's start), total wall
+time, and the reward gain (mean of the last 5 steps minus the first 5).
+
+Settings matched: prompts per step (and the mini-batch: the whole batch, one optimizer step per
+training step), samples per prompt (8), response length (4 tokens),
+temperature 1, learning rate 3e-4 constant, AdamW without weight decay, gradient clip 1, PPO
+clip 0.2, the k3 KL loss with coefficient 0.001, token-mean
+loss over the batch, GRPO's group normalisation, the seed. Not matched exactly (what each does):
+- old log-probs: rlgraph runs an old_logprob pass; TRL takes them from the update's own forward
+  (`num_iterations=1`), as issue 25 item 2 asks rlgraph to do at compile time;
+- the prompts' order: each shuffles the same 1,024 generated rows with its own sampler;
+- threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor gets
+  the threads Ray gives it (1).
+
+    .venv/bin/python -m benchmarks.run trl          # needs pip install 'rlgraph[bench]'
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from rlgraph.runtime.metrics import read_metrics
+
+N = 8
+SETTINGS = [(16, 45, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
+QUICK = [(4, 3, 0)]
+
+
+def _model() -> str:
+    """The example's warm-started policy, built once (what `rlgraph run examples/grpo.py` does first)."""
+    from rlgraph.graph.loader import load_pipeline
+    from rlgraph.ops.tiny import prepare_tiny_policy
+
+    pipe, _ = load_pipeline(str(common.ROOT / "examples" / "grpo.py"))
+    model = str(Path(pipe.config["actor"]["model_path"]).expanduser())
+    prepare_tiny_policy(model, "add", 100, seed=0)
+    return model
+
+
+def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, Any]:
+    cmd = [str(common.ROOT / ".venv" / "bin" / "rlgraph"), "run", str(common.ROOT / "examples" / example), "-o",
+           str(out), "--steps", str(steps), f"data.batch_size={batch}", f"actor.mini_batch_size={batch}", f"trainer.seed={seed}",
+           "trainer.logger=[jsonl]"]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_line_at = None
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None:  # the first step's record appears as the step ends
+        if first_line_at is None and metrics.is_file() and metrics.stat().st_size > 0:
+            first_line_at = time.time()
+        time.sleep(0.05)
+    log = proc.stdout.read() if proc.stdout else ""
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"rlgraph run failed:\n{log[-3000:]}")
+    records = read_metrics(metrics)
+    step_s = [r["timing/step_s"] for r in records]
+    first_line_at = first_line_at or (t0 + wall)
+    return {"step_s": step_s, "reward": [r["score/mean"] for r in records], "wall": wall,
+            "startup": first_line_at - t0 - step_s[0]}
+
+
+def _trl(model: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--model", model, "--batch", str(batch), "--n", str(N),
+           "--steps", str(steps), "--out", str(out / "steps.jsonl"), "--seed", str(seed)]
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    proc = subprocess.run(cmd + ["--t0", str(t0)], cwd=common.ROOT, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    lines = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines() if ln.strip()]
+    head, recs = lines[0], lines[1:]
+    return {"step_s": [r["t_end"] - r["t_begin"] for r in recs], "reward": [r.get("reward", float("nan")) for r in recs],
+            "wall": wall, "startup": recs[0]["t_begin"] - head["t0"]}
+
+
+def _gain(rewards: list[float]) -> float:
+    k = min(5, max(1, len(rewards) // 2))
+    return statistics.mean(rewards[-k:]) - statistics.mean(rewards[:k])
+
+
+def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> common.Section:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit("benchmarks.trl_peer needs TRL: pip install 'rlgraph[bench]'") from None
+    model = _model()
+    settings = QUICK if quick else SETTINGS
+    runs = 1 if quick else runs
+    table = common.Table(["prompts x n", "trainer", "s/step (median)", "vs TRL", "start-up s", "wall s",
+                          "reward gain", "gain per minute"], title="GRPO on the addition task, alternating runs")
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch, steps, skip in settings:
+            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], "rlgraph async k=1": [], "TRL": []}
+            for r in range(runs):
+                for name in got:
+                    out = Path(tmp) / f"{name.replace(' ', '_')}-{batch}-{r}"
+                    if name == "TRL":
+                        got[name].append(_trl(model, batch, steps, out, seed=r))
+                    else:
+                        example = "grpo_async.py" if "async" in name else "grpo.py"
+                        got[name].append(_rlgraph(example, batch, steps, out, seed=r))
+                    print(f"  {batch}x{N} {name} run {r}: {statistics.median(got[name][-1]['step_s'][skip:]):.3f} s/step",
+                          flush=True)
+            trl_step = statistics.median(statistics.median(x["step_s"][skip:]) for x in got["TRL"])
+            for name, xs in got.items():
+                step = statistics.median(statistics.median(x["step_s"][skip:]) for x in xs)
+                gain = statistics.median(_gain(x["reward"]) for x in xs)
+                train_min = statistics.median(sum(x["step_s"]) for x in xs) / 60
+                table.add(f"{batch} x {N}", name, step, step / trl_step, statistics.median(x["startup"] for x in xs),
+                          statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
+    table.print()
+    return common.Section(
+        "trl", "rlgraph against TRL's GRPOTrainer",
+        __doc__.split("\n\n", 1)[1].split("    .venv")[0].strip(),
+        [table],
+        notes=("Targets (issue 25): synchronous rlgraph at most 1.3x TRL's s/step at every batch size; start-up "
+               "to the first step at most 8 s; the asynchronous example (k=1) a higher reward gain per minute "
+               "than TRL."),
+        command=common.command_line(argv or ["trl"]),
+    )
+
+
+if __name__ == "__main__":
+    run(quick="--quick" in sys.argv, argv=sys.argv[1:])
