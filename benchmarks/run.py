@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
 NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality",
-         "trl"]
+         "trl_peer"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = args.doc or common.DOC
     names = NAMES if "all" in args.names else [n for n in NAMES if n in args.names]
     if "all" in args.names and importlib.util.find_spec("trl") is None:
-        print("== trl: skipped (TRL is not installed: pip install 'rlgraph[bench]')", flush=True)
-        names.remove("trl")
+        print("== trl_peer: skipped (TRL is not installed: pip install 'rlgraph[bench]')", flush=True)
+        names.remove("trl_peer")
     svg = None if args.doc else common.ROOT / "docs" / "img" / "overlap.svg"
     try:
         for name in names:

@@ -19,7 +19,7 @@ loss over the batch, GRPO's group normalisation, the seed. Not matched exactly (
 - threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor gets
   the threads Ray gives it (1).
 
-    .venv/bin/python -m benchmarks.run trl          # needs pip install 'rlgraph[bench]'
+    .venv/bin/python -m benchmarks.run trl_peer     # needs pip install 'rlgraph[bench]'
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> co
         notes=("Targets (issue 25): synchronous rlgraph at most 1.3x TRL's s/step at every batch size; start-up "
                "to the first step at most 8 s; the asynchronous example (k=1) a higher reward gain per minute "
                "than TRL."),
-        command=common.command_line(argv or ["trl"]),
+        command=common.command_line(argv or ["trl_peer"]),
     )
 
 

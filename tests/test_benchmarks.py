@@ -210,3 +210,18 @@ def test_leaks_quick(tmp_path, planes):
     assert num(got["driver resident memory (MiB)"]["after step 6"]) > 50
     assert num(got["actors' resident memory, summed (MiB)"]["after step 6"]) > 100
     assert num(got["Ray session directory (MiB)"]["after step 6"]) > 0
+
+
+@pytest.mark.bench  # needs the benchmark extra (TRL): pip install 'rlgraph[bench]'
+def test_trl_peer_quick(tmp_path):
+    """rlgraph against TRL on a few steps: both trainers and the async example run and are tabled."""
+    pytest.importorskip("trl")
+    from benchmarks import trl_peer
+
+    doc = tmp_path / "perf.md"
+    common.write_section(trl_peer.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "trl")
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    got = {dict(zip(head, b))["trainer"]: dict(zip(head, b)) for b in body if len(b) == len(head)}
+    assert set(got) == {"rlgraph", "rlgraph async k=1", "TRL"}
+    assert num(got["TRL"]["vs TRL"]) == 1.0 and all(num(r["s/step (median)"]) > 0 for r in got.values())
