@@ -126,7 +126,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 MARK = "<!-- bench:{}:{} -->"
-ORDER = ["trl", "overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality",
+ORDER = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality", "trl",
          "findings"]
 HEADER = """# Performance
 

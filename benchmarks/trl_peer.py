@@ -127,7 +127,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> co
                           statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
     table.print()
     return common.Section(
-        "trl", "rlgraph against TRL's GRPOTrainer",
+        "trl", "11. Against a sequential peer: TRL's GRPOTrainer",
         __doc__.split("\n\n", 1)[1].split("    .venv")[0].strip(),
         [table],
         notes=("Targets (issue 25): synchronous rlgraph at most 1.3x TRL's s/step at every batch size; start-up "
