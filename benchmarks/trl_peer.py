@@ -4,9 +4,11 @@ Both train the same warm-started tiny policy (examples/grpo.py's, built once by 
 on the same generated addition prompts with the same reward function, and each measured run is a
 process of its own (`rlgraph run ...`; `python -m benchmarks.trl_grpo ...`), so start-up counts
 the same way. Runs alternate between the two (rlgraph, TRL, rlgraph, TRL, ...), so the machine's
-noise falls on both alike; the table gives the median over runs of each run's median s/step
-(the first `skip` steps left out), start-up (process start to the first step's start), total wall
-time, and the reward gain (mean of the last 5 steps minus the first 5).
+noise falls on both alike; the table gives the median over runs of each run's seconds per step (the
+median time between consecutive steps' ends, the first steps left out: with steps in flight this is
+what a user waits per step, shorter than a step's own span), start-up (process start to the first
+step's start), total wall time, and the reward gain (mean of the last 5 steps minus the first 5)
+per minute of training (first step's start to last step's end).
 
 Settings matched: prompts per step (and the mini-batch: the whole batch, one optimizer step per
 training step), samples per prompt (8), response length (4 tokens),
@@ -57,22 +59,24 @@ def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int) -> dict
            str(out), "--steps", str(steps), f"data.batch_size={batch}", f"actor.mini_batch_size={batch}", f"trainer.seed={seed}",
            "trainer.logger=[jsonl]"]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first_line_at = None
-    metrics = out / "metrics.jsonl"
-    while proc.poll() is None:  # the first step's record appears as the step ends
-        if first_line_at is None and metrics.is_file() and metrics.stat().st_size > 0:
-            first_line_at = time.time()
-        time.sleep(0.05)
-    log = proc.stdout.read() if proc.stdout else ""
+    log_file = out.with_suffix(".log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        ends: list[float] = []  # when each step's record appeared: the step's end
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None:
+            if metrics.is_file():
+                lines = metrics.read_bytes().count(b"\n")
+                ends += [time.time()] * (lines - len(ends))
+            time.sleep(0.02)
     wall = time.time() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"rlgraph run failed:\n{log[-3000:]}")
+        raise RuntimeError(f"rlgraph run failed:\n{log_file.read_text()[-3000:]}")
     records = read_metrics(metrics)
-    step_s = [r["timing/step_s"] for r in records]
-    first_line_at = first_line_at or (t0 + wall)
-    return {"step_s": step_s, "reward": [r["score/mean"] for r in records], "wall": wall,
-            "startup": first_line_at - t0 - step_s[0]}
+    ends += [time.time()] * (len(records) - len(ends))
+    return {"ends": ends, "first_step_s": records[0]["timing/step_s"], "reward": [r["score/mean"] for r in records],
+            "wall": wall, "startup": ends[0] - t0 - records[0]["timing/step_s"]}
 
 
 def _trl(model: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, Any]:
@@ -86,8 +90,15 @@ def _trl(model: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, 
         raise RuntimeError(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     lines = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines() if ln.strip()]
     head, recs = lines[0], lines[1:]
-    return {"step_s": [r["t_end"] - r["t_begin"] for r in recs], "reward": [r.get("reward", float("nan")) for r in recs],
-            "wall": wall, "startup": recs[0]["t_begin"] - head["t0"]}
+    return {"ends": [r["t_end"] for r in recs], "first_step_s": recs[0]["t_end"] - recs[0]["t_begin"],
+            "reward": [r.get("reward", float("nan")) for r in recs], "wall": wall, "startup": recs[0]["t_begin"] - head["t0"]}
+
+
+def _per_step(x: dict[str, Any], skip: int) -> float:
+    """Seconds per step as a user sees them: the time between consecutive steps' ends (with steps in
+    flight, a step's own span is longer than this), median over the steps after the first `skip`."""
+    gaps = [b - a for a, b in zip(x["ends"], x["ends"][1:])][max(skip - 1, 0):]
+    return statistics.median(gaps) if gaps else x["first_step_s"]
 
 
 def _gain(rewards: list[float]) -> float:
@@ -116,13 +127,13 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> co
                     else:
                         example = "grpo_async.py" if "async" in name else "grpo.py"
                         got[name].append(_rlgraph(example, batch, steps, out, seed=r))
-                    print(f"  {batch}x{N} {name} run {r}: {statistics.median(got[name][-1]['step_s'][skip:]):.3f} s/step",
-                          flush=True)
-            trl_step = statistics.median(statistics.median(x["step_s"][skip:]) for x in got["TRL"])
+                    print(f"  {batch}x{N} {name} run {r}: {_per_step(got[name][-1], skip):.3f} s/step", flush=True)
+            trl_step = statistics.median(_per_step(x, skip) for x in got["TRL"])
             for name, xs in got.items():
-                step = statistics.median(statistics.median(x["step_s"][skip:]) for x in xs)
+                step = statistics.median(_per_step(x, skip) for x in xs)
                 gain = statistics.median(_gain(x["reward"]) for x in xs)
-                train_min = statistics.median(sum(x["step_s"]) for x in xs) / 60
+                # training minutes: from the first step's start to the last step's end
+                train_min = statistics.median(x["ends"][-1] - x["ends"][0] + x["first_step_s"] for x in xs) / 60
                 table.add(f"{batch} x {N}", name, step, step / trl_step, statistics.median(x["startup"] for x in xs),
                           statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
     table.print()
