@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                 kw["steps"] = args.steps
             if name == "overlap":
                 kw["svg"] = svg if svg is not None else Path(doc).with_name("overlap.svg")
+            if name == "trl_peer":
+                kw["svg"] = (common.ROOT / "docs" / "img" / "trl_peer.svg") if not args.doc \
+                    else Path(doc).with_name("trl_peer.svg")
             section = mod.run(**kw)
             common.write_section(section, doc)
             print(f"== {name}: {time.time() - t0:.0f}s, written to {doc}", flush=True)

@@ -106,7 +106,8 @@ def _gain(rewards: list[float]) -> float:
     return statistics.mean(rewards[-k:]) - statistics.mean(rewards[:k])
 
 
-def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> common.Section:
+def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: Path | None = None) -> common.Section:
+    """Measure; `svg`: where to draw the chart of seconds per step (and a PNG beside it)."""
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -116,6 +117,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> co
     runs = 1 if quick else runs
     table = common.Table(["prompts x n", "trainer", "s/step (median)", "vs TRL", "start-up s", "wall s",
                           "reward gain", "gain per minute"], title="GRPO on the addition task, alternating runs")
+    chart: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for batch, steps, skip in settings:
             got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], "rlgraph async k=1": [], "TRL": []}
@@ -131,15 +133,23 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2) -> co
             trl_step = statistics.median(_per_step(x, skip) for x in got["TRL"])
             for name, xs in got.items():
                 step = statistics.median(_per_step(x, skip) for x in xs)
+                chart.setdefault(name, []).append(step)
                 gain = statistics.median(_gain(x["reward"]) for x in xs)
                 # training minutes: from the first step's start to the last step's end
                 train_min = statistics.median(x["ends"][-1] - x["ends"][0] + x["first_step_s"] for x in xs) / 60
                 table.add(f"{batch} x {N}", name, step, step / trl_step, statistics.median(x["startup"] for x in xs),
                           statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
     table.print()
+    intro = __doc__.split("\n\n", 1)[1].split("    .venv")[0].strip()
+    if svg is not None:
+        from benchmarks.charts import bar_chart
+
+        bar_chart(svg, "GRPO on the addition task: seconds per step", [f"{b} prompts x {N}" for b, _, _ in settings],
+                  chart, note="lower is better; TRL's GRPOTrainer against rlgraph, alternating runs")
+        intro += f"\n\n![seconds per step, rlgraph and TRL](img/{Path(svg).name})"
     return common.Section(
         "trl", "11. Against a sequential peer: TRL's GRPOTrainer",
-        __doc__.split("\n\n", 1)[1].split("    .venv")[0].strip(),
+        intro,
         [table],
         notes=("Targets (issue 25): synchronous rlgraph at most 1.3x TRL's s/step at every batch size; start-up "
                "to the first step at most 8 s; the asynchronous example (k=1) a higher reward gain per minute "
