@@ -313,12 +313,13 @@ class Fleet:
         refill round (dynamic sampling), so that each round's calls get seeds of their own."""
         c = call.chunk
         worker = self.workers[call.group][call.rank]
-        args = (c.op, step, partition, c.index, list(call.rows), [uids[i] for i in call.rows], list(tags),
-                dict(batch_inputs), salt)
         hook = {"fault": fault} if fault else {}  # only a FaultInjectingWorker takes it
+        rows, row_uids = list(call.rows), [uids[i] for i in call.rows]
         if self.plan.op(c.op).streams:
-            return worker.run_chunk_stream.options(num_returns="streaming").remote(*args, **hook)
-        return worker.run_chunk.remote(*args, **hook)
+            return worker.run_chunk_stream.options(num_returns="streaming").remote(
+                c.op, step, partition, c.index, rows, row_uids, list(tags), dict(batch_inputs), salt, **hook)
+        return worker.run_chunk.remote(c.op, step, partition, call.spans, rows, row_uids, list(tags),
+                                       dict(batch_inputs), salt, **hook)
 
     def wait(self, waitables: list[Any], what: Any = "op calls and weight syncs") -> list[Any]:
         """Those of `waitables` with a result ready (a finished call, a streaming call's next part),

@@ -85,10 +85,10 @@ class Recovery:
         self.attempts: dict[int, int] = {}  # step -> failures so far
         self._faults = {f: f.times for f in faults}
 
-    def take_fault(self, op: str, step: int, chunk: int, rank: int) -> str | None:
-        """The injected fault for this call, if one is left."""
+    def take_fault(self, op: str, step: int, chunks: list[int], rank: int) -> str | None:
+        """The injected fault for a call of `chunks` (one of them named by a fault), if one is left."""
         for f, left in self._faults.items():
-            if left > 0 and (f.op, f.step, f.chunk) == (op, step, chunk) and f.rank in (None, rank):
+            if left > 0 and (f.op, f.step) == (op, step) and f.chunk in chunks and f.rank in (None, rank):
                 self._faults[f] = left - 1
                 return f.kind
         return None

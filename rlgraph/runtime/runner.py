@@ -329,7 +329,7 @@ class Runner:
     def _submit(self, call: Call, lv: LiveStep, inflight: dict[Any, Any]) -> None:
         op = self.plan.op(call.chunk.op)
         batch_inputs = {c: lv.rec.batch_values[c] for c in op.inputs if c in lv.rec.batch_values}
-        fault = (self.recovery.take_fault(call.chunk.op, lv.step, call.chunk.index, call.rank)
+        fault = (self.recovery.take_fault(call.chunk.op, lv.step, [c.index for c in call.chunks], call.rank)
                  if lv.training and self.opts.faults else None)
         ref = self.fleet.submit(call, lv.step, lv.partition, lv.sched.uids, lv.sched.tags(op.name, call.rows),
                                 batch_inputs, fault, lv.salt)

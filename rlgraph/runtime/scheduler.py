@@ -25,7 +25,11 @@ those columns on those rows. A completion costs what it unblocks, not the size o
 time-share it). Ready chunks go out in plan order of their ops, chunks in index order; a chunk
 goes to the idle rank of its group that has been handed the fewest rows this step (a group of
 several ranks is a worker pool); a barrier chunk waits for every rank of its group and is split
-into contiguous shards. ``sync`` additionally holds an op until every op of earlier stages has
+into contiguous shards. **Batched calls:** when several chunks of an op (not a barrier, not a
+per-rank or streaming op) are ready at once, they go out as one call per idle rank, the ready
+chunks shared evenly over the idle ranks: the worker reads their inputs with one get, runs the
+body once per chunk (so results do not change) and writes the outputs with one put. Sixteen
+ready GRPO groups cost one round trip, not sixteen. ``sync`` additionally holds an op until every op of earlier stages has
 finished (a barrier after each stage, like the classic single-controller trainer).
 
 **Locality.** On a cluster whose data plane gives rows a home (TransferQueue, one storage unit
@@ -66,12 +70,26 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Call:
-    """One op call to make: a chunk (or, for a barrier, one rank's shard of it) on one rank."""
+    """One op call to make: one or more ready chunks of an op (or, for a barrier, one rank's shard
+    of its chunk) on one rank. The worker runs the body once per chunk (each with its own seed), so
+    batching chunks into one call changes no result, only the number of round trips."""
 
-    chunk: Chunk
+    chunk: Chunk  # the first (or only) chunk
     group: str
     rank: int
-    rows: tuple[int, ...]  # the rows this rank handles (a barrier's shard; else the chunk's rows)
+    rows: tuple[int, ...]  # the rows this rank handles (a barrier's shard; else its chunks' rows, in order)
+    more: tuple[Chunk, ...] = ()  # further chunks of the same op in this call
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return (self.chunk, *self.more)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(chunk index, number of rows) of each chunk in the call, in the order of `rows`."""
+        if not self.more:
+            return [(self.chunk.index, len(self.rows))]
+        return [(c.index, len(c.rows)) for c in self.chunks]
 
 
 def make_chunks(op: OpPlan, uids: Sequence[int]) -> list[Chunk]:
@@ -226,19 +244,22 @@ class StepScheduler:
     whose chunks are held, ready or not, until `open` is called for them (their cross-step
     conditions, `rlgraph.runtime.window`, are not met yet). `row_nodes` (the node storing each
     row) and `rank_nodes` (the node of each (group, rank), read at dispatch, so a restarted
-    worker's new node counts): dispatch prefers idle ranks near a chunk's rows.
+    worker's new node counts): dispatch prefers idle ranks near a chunk's rows. `batch_calls`:
+    ready chunks of an op go out together (see the module's Dispatch); False gives one call per chunk.
     """
 
     def __init__(self, plan: Plan, uids: Sequence[int], is_padding: Sequence[bool], step: int,
                  schedule: str = "stream", ops: set[str] | None = None, slots: Slots | None = None,
                  gated: set[str] | frozenset[str] = frozenset(), row_nodes: Sequence[str] | None = None,
                  rank_nodes: Mapping[tuple[str, int], str] | None = None,
-                 carried: tuple[Sequence[str], Sequence[int], Sequence[str]] | None = None) -> None:
+                 carried: tuple[Sequence[str], Sequence[int], Sequence[str]] | None = None,
+                 batch_calls: bool = True) -> None:
         if schedule not in ("stream", "sync"):
             raise ValueError(f"schedule must be 'stream' or 'sync', got {schedule!r}")
         self.plan = plan
         self.step = step
         self.schedule = schedule
+        self.batch_calls = batch_calls
         self.uids = list(uids)
         self.is_padding = [bool(p) for p in is_padding]
         self.num_rows = n = len(self.uids)
@@ -363,19 +384,29 @@ class StepScheduler:
                 chunk = st.chunks[heapq.heappop(st.ready)]
                 n = len(chunk.rows)
                 parts = [(r, chunk.rows[r * n // dp:(r + 1) * n // dp]) for r in range(dp)]
+                more: tuple[Chunk, ...] = ()
             else:
-                chunk = st.chunks[heapq.heappop(st.ready)]
+                take = -(-len(st.ready) // len(free)) if self._batches(st) else 1  # share ready chunks evenly
+                chunk, *rest = [st.chunks[heapq.heappop(st.ready)] for _ in range(take)]
+                more = tuple(rest)
                 home = self._chunk_home(chunk)
                 parts = [(min(free, key=lambda r: (home is not None and self._rank_nodes.get((group, r)) != home,
-                                                   self._sent[(group, r)], r)), chunk.rows)]
-            st.parts_left[chunk.index] = len(parts)
-            st.started += 1
+                                                   self._sent[(group, r)], r)),
+                          chunk.rows + tuple(r for c in more for r in c.rows))]
+            for c in (chunk, *more):
+                st.parts_left[c.index] = len(parts)
+            st.started += 1 + len(more)
             for rank, rows in parts:
                 free.remove(rank)
                 self.slots.take(st.pool, rank)
                 self._sent[(group, rank)] += len(rows)
-                calls.append(Call(chunk, group, rank, rows))
+                calls.append(Call(chunk, group, rank, rows, more))
         return calls
+
+    def _batches(self, st: _Op) -> bool:
+        """Whether ready chunks of `st` go out together (`batch_calls`; never a barrier's shards, a
+        per-rank op's or a streaming op's chunk, which are one call each by definition)."""
+        return self.batch_calls and st.plan.mode != "barrier" and not st.plan.batching.per_rank and not st.plan.streams
 
     def _chunk_home(self, chunk: Chunk) -> str | None:
         """The node storing most of `chunk`'s rows (the first such node on a tie); None without locality."""
@@ -398,14 +429,20 @@ class StepScheduler:
                 self._mark(col, rows)
 
     def call_done(self, call: Call) -> bool:
-        """`call` finished; frees its rank. Returns True when its whole chunk is done."""
+        """`call` finished; frees its rank. Returns True when its chunks are done (a barrier's
+        chunk: when every shard's call is)."""
         st = self.ops[call.chunk.op]
         self.slots.free(st.pool, call.rank)
-        st.parts_left[call.chunk.index] -= 1
-        if st.parts_left[call.chunk.index]:
+        whole = True
+        for c in call.chunks:
+            st.parts_left[c.index] -= 1
+            if st.parts_left[c.index]:
+                whole = False
+                continue
+            st.done += 1
+            self.rows_done(c.op, c.rows)
+        if not whole:
             return False
-        st.done += 1
-        self.rows_done(call.chunk.op, call.chunk.rows)
         if st.finished:
             for col in st.plan.outputs:
                 if self.plan.columns[col].level == "batch":

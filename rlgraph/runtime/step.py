@@ -107,13 +107,13 @@ class LiveStep:
         rec.take_summaries(result.summaries)
         for row, (reason, whole_group) in result.dropped.items():
             self.sched.drop(row, reason, op, whole_group)
-        if result.metrics and op not in self.quiet:
-            rec.op_metrics.setdefault(op, []).append(result.metrics)
+        if op not in self.quiet:
+            rec.op_metrics.setdefault(op, []).extend(m for m in result.metrics if m)
         rec.batch_values.update(result.batch_values)
         return self.sched.call_done(call)
 
 
 def describe_inflight(inflight: dict[Any, Any]) -> list[str]:
     """What the event loop waits for, for people: each call in flight, each weight sync."""
-    return sorted({f"step {k[0]}: {k[1].chunk.op}[{k[1].chunk.index}] on {k[1].group}[{k[1].rank}]"
+    return sorted({f"step {k[0]}: {k[1].chunk.op}{[c.index for c in k[1].chunks]} on {k[1].group}[{k[1].rank}]"
                    if k[0] != "sync" else f"weight sync of {k[1]!r} to {k[2]!r}" for k in inflight.values()})

@@ -42,7 +42,7 @@ class CallResult:
     """What a worker returns for one call: small by construction."""
 
     span: Span
-    metrics: dict[str, Any] = field(default_factory=dict)  # metric columns the op produced
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # metric columns the op produced, per chunk
     # the pipeline's summarised columns: column -> row -> the row's sum (real rows only; a float per row)
     summaries: dict[str, dict[int, float]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data outputs
@@ -54,6 +54,29 @@ def _moved_since(before: tuple[int, int]) -> dict[str, int]:
     runs one op call at a time on its default thread, so the difference is the call's.)"""
     local, remote = locality_bytes_in_this_process()
     return {"local_bytes": local - before[0], "cross_node_bytes": remote - before[1]}
+
+
+def _slice_rows(inputs: dict[str, Any], a: int, b: int, n: int) -> dict[str, Any]:
+    """Rows `a:b` of a call's inputs (each a dense tensor or a list with `n` rows)."""
+    if (a, b) == (0, n):
+        return inputs
+    return {c: v[a:b] for c, v in inputs.items()}
+
+
+def _concat_outputs(plan: Plan, outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The outputs of the chunks of a batched call as one call's: per-sample columns joined in row
+    order (dense tensors of one shape stay dense), every other output as the last chunk gave it."""
+    out = dict(outs[-1])
+    for c in outs[0]:
+        col = plan.columns[c]
+        if col.level != "sample" or col.kind != "data":
+            continue
+        parts = [o[c] for o in outs]
+        if all(isinstance(p, torch.Tensor) for p in parts) and len({p.shape[1:] for p in parts}) == 1:
+            out[c] = torch.cat(parts)
+        else:
+            out[c] = [row for p in parts for row in (p.unbind(0) if isinstance(p, torch.Tensor) else p)]
+    return out
 
 
 def _row_sums(value: Any) -> list[float]:
@@ -93,23 +116,35 @@ class GroupWorker:
         self.invoker = Invoker(self.plan, self.group, self.rank, self.dp, master_addr, master_port)
         return ray.get_runtime_context().get_node_id()
 
-    def run_chunk(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
-                  uids: Sequence[int], is_padding: Sequence[bool],
+    def run_chunk(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
+                  rows: Sequence[int], uids: Sequence[int], is_padding: Sequence[bool],
                   batch_inputs: dict[str, Any] | None = None, salt: int = 0) -> CallResult:
-        """Run `op_name` on `rows`: get its inputs, call the body, put its outputs."""
+        """Run `op_name` on `rows`: get its inputs, call the body, put its outputs. `chunks`: the
+        (chunk index, number of rows) of each chunk the call holds, in the order of `rows`; the
+        inputs are read with one get and the outputs written with one put, and the body runs once
+        per chunk, seeded by the chunk, so a batched call gives what one call per chunk would."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         moved = locality_bytes_in_this_process()
-        with self._failures(op_name, step, chunk, rows, uids):
-            inputs = self._inputs(op, partition, rows, step, chunk)
-            out = self.invoker.call(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
+        outs: list[dict[str, Any]] = []
+        dropped: dict[int, tuple[str, bool]] = {}
+        with self._failures(op_name, step, chunks[0][0], rows, uids):
+            inputs = self._inputs(op, partition, rows, step, chunks[0][0])
+            at = 0
+            for index, n in chunks:
+                sub = rows[at:at + n]
+                with self._failures(op_name, step, index, sub, uids[at:at + n]):
+                    outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
+                                                  _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt))
+                dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
+                at += n
+        out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
         self._put(partition, rows, out)
-        dropped = dict(self.invoker.last_dropped)
         return CallResult(
-            span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
+            span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
                       start=start, end=time.time(), **_moved_since(moved)),
-            metrics={c: v for c, v in out.items() if self.plan.columns[c].kind == "metric"},
+            metrics=[{c: v for c, v in o.items() if self.plan.columns[c].kind == "metric"} for o in outs],
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
-            batch_values={c: v for c, v in out.items()
+            batch_values={c: v for o in outs for c, v in o.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
             dropped={rows[i]: why for i, why in dropped.items()},
         )
@@ -141,7 +176,7 @@ class GroupWorker:
         yield CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
                       start=start, end=time.time(), parts=tuple(handed), **_moved_since(moved)),
-            metrics={c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"},
+            metrics=[{c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"}],
             batch_values={c: v for c, v in rest.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
             dropped={rows[i]: why for i, why in dropped.items()},

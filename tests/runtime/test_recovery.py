@@ -47,9 +47,9 @@ def test_a_foreign_error_becomes_an_rlgraph_error_naming_its_type():
 
 def test_an_injected_fault_is_taken_as_many_times_as_asked_on_its_rank_only():
     r = _recovery(faults=[Fault("gen", step=2, chunk=1, kind="kill", rank=1, times=2)])
-    assert r.take_fault("gen", 2, 1, rank=0) is None
-    assert [r.take_fault("gen", 2, 1, rank=1) for _ in range(3)] == ["kill", "kill", None]
-    assert r.take_fault("gen", 3, 1, rank=1) is None
+    assert r.take_fault("gen", 2, [1], rank=0) is None
+    assert [r.take_fault("gen", 2, [0, 1], rank=1) for _ in range(3)] == ["kill", "kill", None]
+    assert r.take_fault("gen", 3, [1], rank=1) is None
 
 
 def test_a_fault_of_an_unknown_kind_is_refused():

@@ -99,7 +99,9 @@ def test_partial_outputs_release_downstream_chunks_before_the_call_ends():
     assert sched.next_calls() == []
     assert sched.call_done(wave[0])  # the reward chunk is done
     assert sched.call_done(gen)  # the rest of generation's rows become ready with the call
-    assert [c.rows for c in _drain(sched) if c.chunk.op == "reward"] == [(0, 1), (4, 5), (6, 7)]
+    # the three reward chunks now ready go out as one call (one rank): rows in chunk order
+    assert [(c.rows, [k.index for k in c.chunks]) for c in _drain(sched) if c.chunk.op == "reward"] == [
+        ((0, 1, 4, 5, 6, 7), [0, 2, 3])]
 
 
 def test_dispatch_prefers_the_least_loaded_idle_rank_and_shards_barriers():
@@ -185,8 +187,8 @@ def test_a_refilled_batch_runs_the_rounds_ops_on_its_padding_rows_only():
     assert all(r >= 8 for c in sched.ops["reward"].chunks for r in c.rows)
     first = sched.next_calls()
     # the copied rows are ready at once: old_logprob (actor, after generate in plan order) and the
-    # advantage of their groups start beside the padding rows' generation
-    assert {(c.chunk.op, c.rows) for c in first} >= {("generate", tuple(range(8, 16))), ("advantage", (0, 1, 2, 3))}
+    # advantage of their two groups (one batched call) start beside the padding rows' generation
+    assert {(c.chunk.op, c.rows) for c in first} >= {("generate", tuple(range(8, 16))), ("advantage", tuple(range(8)))}
     for c in first:
         sched.call_done(c)
     calls = _drain(sched)
@@ -198,6 +200,28 @@ def test_a_refilled_batch_runs_the_rounds_ops_on_its_padding_rows_only():
                          carried=(carried[0], range(8), carried[2]))
     assert full.ops["generate"].chunks == [] and full.op_finished("generate")
     assert {c.chunk.op for c in _drain(full)} == {"old_logprob", "ref", "advantage", "update_actor"}
+
+
+def test_ready_chunks_go_out_as_one_call_per_idle_rank():
+    plan = _plan("grpo", "data.batch_size=8", "rollout.n=2", "rollout.micro_batch_size=8", "reward.micro_batch_size=2",
+                 "groups.reward.dp=2")
+    sched = _sched(plan, 8, 2)
+    (gen,) = sched.next_calls()
+    assert sched.call_done(gen)  # all 16 rows generated at once: 8 reward chunks are ready
+    rewards = [c for c in sched.next_calls() if c.chunk.op == "reward"]
+    # shared evenly over the two idle ranks, chunks in index order, each call's rows in chunk order
+    assert sorted((c.rank, [k.index for k in c.chunks]) for c in rewards) == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
+    assert [c.spans for c in sorted(rewards, key=lambda c: c.rank)] == [[(0, 2), (1, 2), (2, 2), (3, 2)],
+                                                                         [(4, 2), (5, 2), (6, 2), (7, 2)]]
+    assert rewards[0].rows == tuple(r for k in rewards[0].chunks for r in k.rows)
+    for c in rewards:
+        assert sched.call_done(c)
+    assert sched.op_finished("reward")
+    # the same step with batch_calls=False: one call per chunk
+    single = StepScheduler(plan, [r // 2 for r in range(16)], [False] * 16, 0, batch_calls=False)
+    (gen,) = single.next_calls()
+    single.call_done(gen)
+    assert sorted(len(c.chunks) for c in single.next_calls() if c.chunk.op == "reward") == [1, 1]
 
 
 def test_colocated_groups_take_turns_on_their_pool():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import multiprocessing
+import queue
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -60,6 +61,62 @@ def _child_score(ref: str, kwargs: dict[str, Any]) -> Any:
     return fn(**kwargs)
 
 
+class _Batch:
+    """One `score` call's samples on the thread pool: results, and when each running one started."""
+
+    def __init__(self, n: int) -> None:
+        self.results: list[tuple[str, Any, float] | None] = [None] * n
+        self.started: dict[int, float] = {}
+        self.remaining = n
+        self.cond = threading.Condition()
+
+
+class _ThreadPool:
+    """Long-lived scoring threads, `size` of them taking samples off one queue (threads started
+    per sample cost more than a rule-based function's scoring). A thread whose sample runs past
+    its time limit is left behind: it ends once its function returns, and `replace` starts a
+    fresh one, so `size` threads keep serving."""
+
+    def __init__(self, fn: Any, size: int) -> None:
+        self.fn = fn
+        self.size = size
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.serving = 0  # threads in the pool (not left behind)
+        self.started = 0
+
+    def fill(self) -> None:
+        with self.lock:
+            while self.serving < self.size:
+                self.serving += 1
+                self.started += 1
+                threading.Thread(target=self._serve, daemon=True, name=f"reward-{self.started}").start()
+
+    def replace(self) -> None:
+        with self.lock:
+            self.serving -= 1
+        self.fill()
+
+    def _serve(self) -> None:
+        while True:
+            batch, i, kwargs = self.tasks.get()
+            t0 = time.monotonic()
+            with batch.cond:
+                batch.started[i] = t0
+            try:
+                res: tuple[str, Any] = ("ok", self.fn(**kwargs))
+            except Exception as e:  # the user's function failed: recorded per sample
+                res = ("error", _describe(e))
+            with batch.cond:
+                if batch.results[i] is not None:  # given up on (timeout): this thread was replaced
+                    return
+                batch.results[i] = (res[0], res[1], time.monotonic() - t0)
+                batch.started.pop(i, None)
+                batch.remaining -= 1
+                if not batch.remaining:
+                    batch.cond.notify_all()
+
+
 def _describe(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
@@ -83,6 +140,7 @@ class RewardScorer:
         self.label = getattr(self.fn, "__qualname__", ref)
         self.process_restarts = max(0, int(process_restarts))
         self._pool: Any = None
+        self._threads: _ThreadPool | None = None
         self.abandoned_threads = 0  # timed-out threads still running in the background
         self.restarted = 0  # samples scored again because their process died (all calls so far)
 
@@ -136,46 +194,29 @@ class RewardScorer:
 
     # ------------------------------------------------------------------ threads
     def _run_threads(self, calls: list[dict[str, Any]]) -> list[tuple[str, Any, float]]:
-        n = len(calls)
-        results: list[tuple[str, Any, float] | None] = [None] * n
-        started: dict[int, float] = {}
-        lock = threading.Lock()
-        done = threading.Condition(lock)
-
-        def work(i: int) -> None:
-            t0 = time.monotonic()
-            try:
-                res: tuple[str, Any, float] = ("ok", self.fn(**calls[i]), 0.0)
-            except Exception as e:  # the user's function failed: recorded per sample
-                res = ("error", _describe(e), 0.0)
-            with done:
-                if results[i] is None:  # not already given up on (timeout)
-                    results[i] = (res[0], res[1], time.monotonic() - t0)
-                    started.pop(i, None)
-                done.notify_all()
-
-        queue = list(range(n))
-        queue.reverse()
-        remaining = n
-        with done:
-            while remaining:
-                while queue and len(started) < self.concurrency:
-                    i = queue.pop()
-                    started[i] = time.monotonic()
-                    threading.Thread(target=work, args=(i,), daemon=True, name=f"reward-{i}").start()
+        if self._threads is None:
+            self._threads = _ThreadPool(self.fn, self.concurrency)
+        batch = _Batch(len(calls))
+        for i in range(len(calls)):
+            self._threads.tasks.put((batch, i, calls[i]))
+        self._threads.fill()
+        with batch.cond:
+            while batch.remaining:
                 now = time.monotonic()
                 if self.timeout_s is not None:
-                    for i, t0 in list(started.items()):
+                    for i, t0 in list(batch.started.items()):
                         if now - t0 >= self.timeout_s:
-                            results[i] = ("timeout", None, now - t0)
-                            del started[i]
+                            batch.results[i] = ("timeout", None, now - t0)
+                            del batch.started[i]
+                            batch.remaining -= 1
                             self.abandoned_threads += 1
-                remaining = sum(1 for r in results if r is None)
-                if remaining:
-                    wait = 0.5 if self.timeout_s is None else max(
-                        0.001, min((t0 + self.timeout_s - now for t0 in started.values()), default=0.05))
-                    done.wait(timeout=min(wait, 0.5))
-        return results  # type: ignore[return-value]
+                            self._threads.replace()  # the stuck thread leaves the pool; a fresh one joins
+                if not batch.remaining:
+                    break
+                wait = 0.5 if self.timeout_s is None else max(
+                    0.001, min((t0 + self.timeout_s - now for t0 in batch.started.values()), default=0.05))
+                batch.cond.wait(timeout=min(wait, 0.5))
+        return batch.results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ processes
     def _ensure_pool(self) -> Any:
