@@ -9,7 +9,7 @@ producers) and the check pass turns that into problems.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
@@ -164,8 +164,10 @@ def config_schema(pipeline: Pipeline) -> tuple[dict[str, Param], list[Problem]]:
     return schema, problems
 
 
-def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ()) -> BuiltGraph:
-    """Resolve config (defaults < pipeline.config < overrides) and build the column graph."""
+def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = (),
+          leave_out: Iterable[str] = ()) -> BuiltGraph:
+    """Resolve config (defaults < pipeline.config < overrides) and build the column graph.
+    `leave_out`: ops the graph goes without (`rlgraph.graph.reuse`); their config keys stay valid."""
     if isinstance(overrides, str):  # one "key=value", not a sequence of characters
         overrides = [overrides]
     raw = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
@@ -176,6 +178,9 @@ def build(pipeline: Pipeline, overrides: Iterable[str] | Mapping[str, str] = ())
     problems += cfg_problems
     if DataplaneSettings.of(config).storage_units is None:  # the one place it is resolved: one unit per node
         config["dataplane.storage_units"] = ClusterSettings.of(config).num_nodes
+    leave_out = set(leave_out)
+    if leave_out:
+        pipeline = replace(pipeline, ops=tuple(s for s in pipeline.ops if s.name not in leave_out))
 
     dag = nx.MultiDiGraph()
     src = pipeline.source.name

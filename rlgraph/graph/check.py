@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import difflib
 from collections import Counter
+from typing import Any
 
 import networkx as nx
 
@@ -103,6 +104,14 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
         for col, want in o.inputs.items():
             prods = g.producers.get(col, ())
             if not prods:
+                if col in _recomputed_only_once(g, o):
+                    add(Problem("column-missing",
+                                f"op {o.name!r} reads column {col!r}, which no op produces; {o.name} can take it from "
+                                f"its own forward only when it makes one optimizer step per training step, and it "
+                                f"makes several (mini-batches x epochs)",
+                                f"add the op that outputs {col!r} (stages.old_logprob() for old_log_probs), or make "
+                                f"one mini-batch of one epoch per step", op=o.name, column=col))
+                    continue
                 if col in o.optional_inputs:
                     continue
                 missing.append(col)
@@ -325,3 +334,16 @@ def check(g: BuiltGraph) -> BuiltGraph:
     if problems:
         raise PipelineError(problems, g.pipeline.name)
     return g
+
+
+def _recomputed_only_once(g: BuiltGraph, o: Any) -> set[str]:
+    """Inputs `o` could take from its own forward (``OpSpec.recomputes``) but may not: it makes more
+    than one optimizer step per training step, so the first forward's values go stale."""
+    if o.recomputes is None or not (o.batching and o.batching.mini_batch):
+        return set()
+    batch_size = g.config.get(f"{g.source}.batch_size")
+    mb = g.config.get(f"{o.namespace}.{o.batching.mini_batch}")
+    epochs = g.config.get(f"{o.namespace}.{o.batching.epochs}", 1) if o.batching.epochs else 1
+    if not all(isinstance(v, int) and v > 0 for v in (batch_size, mb, epochs)) or (batch_size // mb) * epochs == 1:
+        return set()
+    return set(o.recomputes({k: g.config.get(f"{o.namespace}.{k}", p.default) for k, p in o.params.items()}))

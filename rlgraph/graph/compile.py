@@ -1,6 +1,7 @@
 """The compiler: a declared `Pipeline` plus overrides -> a checked, frozen `Plan`.
 
-    build -> check -> prune -> batch -> schedule -> place -> Plan
+    build -> check -> reuse (build -> check again without the ops it leaves out)
+          -> prune -> batch -> schedule -> place -> Plan
 
 Each pass is a pure function of the built graph (see its module); this one only runs them in
 order and assembles their results. Nothing here starts Ray or imports operator bodies.
@@ -19,14 +20,16 @@ from rlgraph.graph.dsl import Pipeline
 from rlgraph.graph.place import place
 from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, RefillPlan, ValidationPlan
 from rlgraph.graph.prune import prune
+from rlgraph.graph.reuse import reused_forwards
 from rlgraph.graph.schedule import mode_of, schedule, staleness
 from rlgraph.version import __version__
 
 __all__ = ["compile_pipeline", "plan_from_graph"]
 
 
-def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
-    """Run the passes after `check` on an already checked graph and assemble the plan."""
+def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapping[str, str] | None = None) -> Plan:
+    """Run the passes after `check` on an already checked graph and assemble the plan. `reused`:
+    the ops `rlgraph.graph.reuse` left out of `g`, and why."""
     stored = prune(g)
     batch_plan = batch(g)
     sched, stage_of, concurrent = schedule(g)
@@ -96,6 +99,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None) -> Plan:
         summaries=dict(g.pipeline.summaries),
         validation=_validation(g),
         refill=_refill(g, columns),
+        reused=dict(reused or {}),
     )
 
 
@@ -134,4 +138,8 @@ def compile_pipeline(
     Raises `PipelineError` listing every problem found, or `ConfigError` for a malformed
     override (one without ``=``).
     """
-    return plan_from_graph(check(build(pipeline, overrides)), pipeline_ref)
+    g = check(build(pipeline, overrides))
+    reused = reused_forwards(g)
+    if reused:
+        g = check(build(pipeline, overrides, leave_out=reused))
+    return plan_from_graph(g, pipeline_ref, reused)

@@ -190,6 +190,10 @@ def schedule_section(plan: Plan) -> RenderableType:
         _row(grid, "dynamic sampling", f"rounds of {', '.join(rf.round_ops)} on fresh prompts until "
              f"{plan.batch.batch_size} groups are kept by {rf.op} (at most {rf.max_rounds}, then {rf.on_exhaust}); "
              f"carried into the batch: {', '.join(rf.carried)}")
+    for op, why in plan.reused.items():
+        _row(grid, "left out", f"{op}: {why}")
+    _row(grid, "batched calls", "ready chunks of a per-sample or per-group op go out as one call per idle rank "
+         "(one get, one put; the body still runs once per chunk)")
     return Group(Text("schedule", style="bold"), grid)
 
 

@@ -130,6 +130,10 @@ class OpSpec:
     # the op may read its state inputs (weights) up to trainer.max_staleness steps old: the
     # behaviour policy of an asynchronous run (generate), which then runs ahead of the update
     stale_ok: bool = False
+    # inputs the op computes from its own forward pass when it makes one optimizer step per training
+    # step, given its params (the actor update: old_log_probs); the op producing them is then left
+    # out of the plan (rlgraph.graph.reuse). Such inputs must be optional inputs
+    recomputes: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))

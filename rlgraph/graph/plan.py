@@ -248,6 +248,8 @@ class Plan(_Frozen):
         "first is the headline metric")
     validation: ValidationPlan
     refill: RefillPlan | None = Field(None, description="dynamic sampling's rounds, if an op refills the batch")
+    reused: dict[str, str] = Field(default_factory=dict, description="ops left out because another op's own forward "
+                                   "gives their result (rlgraph.graph.reuse): op -> why")
 
     def op(self, name: str) -> OpPlan:
         for o in self.ops:

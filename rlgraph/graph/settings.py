@@ -206,6 +206,10 @@ class TrainerSettings(Section):
     """asynchronous training: the rollout (ops declared stale_ok, i.e. generate) may run up to k steps
     ahead of the update, with a policy at most k versions older than the one it is trained against; k+1
     steps are in flight. 0: on-policy"""
+    reuse_forward: bool = True
+    """leave out a forward pass whose result the update's own forward gives: with one epoch and one mini-batch
+    per step, old_logprob (the update then takes old log-probs from its first forward, as TRL does); rlgraph
+    describe lists what was left out"""
     logger: str = "[console,jsonl,tensorboard]"
     """where metrics go, a list of: console (progress lines), jsonl (DIR/metrics.jsonl, always written),
     tensorboard (DIR/tensorboard), wandb (offline in DIR/wandb unless wandb is set up; pip install

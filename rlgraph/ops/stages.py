@@ -436,9 +436,15 @@ def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> lis
     return out
 
 
+def _actor_recomputes(params: Mapping[str, Any]) -> set[str]:
+    # old log-probs from the update's first forward (one optimizer step per training step); truncated IS
+    # and decoupled PPO weigh tokens by them before that forward
+    return set() if params.get("tis_cap") or params.get("decoupled_cap") else {"old_log_probs"}
+
+
 def _actor_uses(params: Mapping[str, Any]) -> set[str]:
     # staleness metrics, and the guard against training on too old samples
-    used = {"policy_version", "policy_version_end"}
+    used = {"old_log_probs", "policy_version", "policy_version_end"}
     if params.get("use_kl_loss"):
         used.add("ref_log_prob")
     if params.get("tis_cap") or params.get("decoupled_cap"):
@@ -456,9 +462,10 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
         granularity="batch",
         group=group,
         config_key=ActorSettings.namespace,
-        optional_inputs={"ref_log_prob", "rollout_log_probs", "policy_version", "policy_version_end"},
+        optional_inputs={"old_log_probs", "ref_log_prob", "rollout_log_probs", "policy_version", "policy_version_end"},
         params=params_of(ActorSettings),
         impl="rlgraph.ops.train.actor:ActorWorker.update_actor",
+        recomputes=_actor_recomputes,
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
         skip_before="trainer.critic_warmup",
         validate=_validate_actor,

@@ -71,6 +71,28 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1]
 
 
+def test_the_update_s_own_forward_gives_what_the_old_logprob_pass_gave(model_dir, tq_plane, tmp_path):
+    # one mini-batch of one epoch per step: the compiler leaves old_logprob out and the update takes
+    # old log-probs from its first forward; the same run with trainer.reuse_forward=false runs the
+    # pass. Losses, KL and the trained weights agree to float tolerance (verl's result either way)
+    reused = _plan("grpo", model_dir, "actor.mini_batch_size=4", "trainer.save_every=1")
+    kept = _plan("grpo", model_dir, "actor.mini_batch_size=4", "trainer.save_every=1", "trainer.reuse_forward=false")
+    assert "old_logprob" in reused.reused and "old_logprob" not in [o.name for o in reused.ops]
+    assert not kept.reused and "old_logprob" in [o.name for o in kept.ops]
+    a = run_plan(reused, RunOptions(out_dir=tmp_path / "reused", steps=2, timeout_s=300), plane=tq_plane)
+    b = run_plan(kept, RunOptions(out_dir=tmp_path / "kept", steps=2, timeout_s=300), plane=tq_plane)
+    for ra, rb in zip(a, b):
+        assert ra["score/mean"] == rb["score/mean"]  # the same samples: step 0's update changed the same weights
+        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+            name = f"update_actor/actor_metrics/{key}"
+            assert ra[name] == pytest.approx(rb[name], rel=1e-4, abs=1e-6), name
+        assert ra["update_actor/actor_metrics/pg_clipfrac"] == 0.0  # the ratio is exactly 1
+    (wa,) = load_state(tmp_path / "reused" / "checkpoints" / "step_1", "actor_0")["instances"].values()
+    (wb,) = load_state(tmp_path / "kept" / "checkpoints" / "step_1", "actor_0")["instances"].values()
+    for k, v in wa["model"].items():
+        torch.testing.assert_close(v, wb["model"][k], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_data_parallel_actor_keeps_replicas_identical(model_dir, tq_plane, tmp_path):
     # actor dp=2: two Ray actors in one process group (DDP over gloo); after the update both

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from rlgraph.errors import InvariantError
+from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, gspo_policy_loss, kl_loss,
                                logprobs_from_logits, masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
@@ -221,8 +221,8 @@ class ActorWorker(TrainerMixin):
 
     # ------------------------------------------------------------------ update
     def update_actor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                     responses: torch.Tensor, response_mask: torch.Tensor, old_log_probs: torch.Tensor,
-                     advantages: torch.Tensor, ref_log_prob: torch.Tensor | None = None,
+                     responses: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
+                     old_log_probs: torch.Tensor | None = None, ref_log_prob: torch.Tensor | None = None,
                      rollout_log_probs: torch.Tensor | None = None, policy_version: torch.Tensor | None = None,
                      policy_version_end: torch.Tensor | None = None, *, lr: float,
                      weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
@@ -239,8 +239,13 @@ class ActorWorker(TrainerMixin):
         # tagged as padding: no loss, no gradient, not in the token counts
         mask = packed.response_mask * response_mask[:, :R].to(packed.response_mask.dtype) * kept_rows(ctx, packed.response_mask.dtype)
         batch = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
-                 "position_ids": packed.position_ids, "response_mask": mask,
-                 "old_log_probs": old_log_probs[:, :R], "advantages": advantages[:, :R]}
+                 "position_ids": packed.position_ids, "response_mask": mask, "advantages": advantages[:, :R]}
+        if old_log_probs is not None:
+            batch["old_log_probs"] = old_log_probs[:, :R]
+        elif ctx.batching is None or ctx.batching.updates_per_step != 1:  # the compiler never plans this
+            raise OpError(f"{ctx.op}: no old_log_probs, and this update makes "
+                          f"{ctx.batching.updates_per_step if ctx.batching else '?'} optimizer steps per training "
+                          f"step; its own forward gives them only for one. Add stages.old_logprob() to the pipeline")
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
         staleness = self._staleness(policy_version, policy_version_end, ctx)
@@ -259,13 +264,16 @@ class ActorWorker(TrainerMixin):
                         position_ids=mb["position_ids"], use_cache=False)
             logits = out.logits[:, P - 1:P - 1 + R, :].float() / temperature
             logp = logprobs_from_logits(logits, mb["input_ids"][:, P:])
+            # one optimizer step per training step: the weights are still the old policy's, so this forward
+            # is the old log-probs (rlgraph.graph.reuse left the separate pass out)
+            old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
             m = mb["response_mask"]
             if loss_mode == "gspo":  # sequence-level ratio, aggregated seq-mean-token-mean
-                pg = gspo_policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
+                pg = gspo_policy_loss(logp, old, mb["advantages"], m, clip_ratio_low=clip_ratio_low,
                                       clip_ratio_high=clip_ratio_high, global_seqs=global_seqs,
                                       is_weights=mb.get("is_weights"))
             else:
-                pg = policy_loss(logp, mb["old_log_probs"], mb["advantages"], m, clip_ratio_low=clip_ratio_low,
+                pg = policy_loss(logp, old, mb["advantages"], m, clip_ratio_low=clip_ratio_low,
                                  clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, agg_mode=loss_agg_mode,
                                  global_tokens=global_tokens, global_seqs=global_seqs,
                                  is_weights=mb.get("is_weights"))
