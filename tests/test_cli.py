@@ -121,9 +121,9 @@ def test_describe_shows_every_section_with_unfolded_headers():
     assert header_row.split() == ["op", "group", "dp", "granularity", "mode", "stage", "inputs", "outputs",
                                   "concurrent", "with", "batching"]
     assert re.search(r"^ column\s+dtype\s+shape\s+level\s+kind\s+producer\s+consumers\s+stored$", out, re.M)
-    assert re.search(r"^ group\s+dp\s+cpus/worker\s+gpus/worker\s+pool\s+placement\s+colocated with\s+nodes\s+ops$",
-                     out, re.M)
-    assert re.search(r"^ actor\s+2\s+1\s+0\s+actor\s+pack\s+-\s+node 0 x2\s+generate, old_logprob, ref, update_actor$",
+    assert re.search(r"^ group\s+dp\s+cpus/worker\s+gpus/worker\s+torch threads\s+pool\s+placement\s+colocated with"
+                     r"\s+nodes\s+ops$", out, re.M)
+    assert re.search(r"^ actor\s+2\s+1\s+0\s+1\s+actor\s+pack\s+-\s+node 0 x2\s+generate, old_logprob, ref, update_actor$",
                      out, re.M)
     assert re.search(r"^ entropy\s+float32\s+\[response_len\]\s+sample\s+data\s+old_logprob\s+-\s+no \(pruned\)$",
                      out, re.M)

@@ -36,6 +36,7 @@ class ResolvedGroup:
     num_gpus: float
     pool: str
     placement: str = "pack"
+    torch_threads: int = 0  # 0: the bundle's whole CPUs
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ class BuiltGraph:
         for gr in self.pipeline.groups:
             if gr.name in out:
                 continue  # a duplicate: reported by the check pass
-            c = {k: self.config[f"groups.{gr.name}.{k}"] for k in ("dp", "num_cpus", "num_gpus", "pool", "placement")}
+            c = {k: self.config[f"groups.{gr.name}.{k}"]
+                 for k in ("dp", "num_cpus", "num_gpus", "pool", "placement", "torch_threads")}
             out[gr.name] = ResolvedGroup(gr.name, int(c["dp"]), float(c["num_cpus"]), float(c["num_gpus"]),
-                                         str(c["pool"]), str(c["placement"]))
+                                         str(c["pool"]), str(c["placement"]), int(c["torch_threads"]))
         return tuple(out.values())
 
     @cached_property

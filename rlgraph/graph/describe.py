@@ -117,12 +117,12 @@ def groups_table(plan: Plan) -> Table:
     bundles = {p.name: p.bundles for p in plan.pools}
     sharing = {p.name: p.groups for p in plan.pools}
     placement = {p.name: p.placement for p in plan.pools}
-    t = _table("worker groups", "group", "dp", "cpus/worker", "gpus/worker", "pool", "placement", "colocated with",
-               "nodes", "ops")
+    t = _table("worker groups", "group", "dp", "cpus/worker", "gpus/worker", "torch threads", "pool", "placement",
+               "colocated with", "nodes", "ops")
     for g in plan.groups:
         mine = [b.node for b in bundles.get(g.pool, [])[: g.dp]]
         others = [x for x in sharing.get(g.pool, []) if x != g.name]
-        _row(t, g.name, g.dp, f"{g.num_cpus:g}", f"{g.num_gpus:g}", g.pool, placement.get(g.pool, "pack"),
+        _row(t, g.name, g.dp, f"{g.num_cpus:g}", f"{g.num_gpus:g}", g.torch_threads, g.pool, placement.get(g.pool, "pack"),
              ", ".join(others) or "-",
              _nodes(mine), ", ".join(g.ops))
     return t

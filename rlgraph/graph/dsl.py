@@ -351,6 +351,7 @@ class WorkerGroup:
     pool: str | None = None  # None: a pool of its own, named after the group
     doc: str = ""
     placement: str = default_of(GroupSettings, "placement")
+    torch_threads: int = default_of(GroupSettings, "torch_threads")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -362,7 +363,7 @@ class WorkerGroup:
     def params(self) -> dict[str, Param]:
         """Its ``groups.<name>.*`` keys, defaulting to what it declares."""
         return params_of(GroupSettings, dp=self.dp, num_cpus=float(self.num_cpus), num_gpus=float(self.num_gpus),
-                         pool=self.pool or self.name, placement=self.placement)
+                         pool=self.pool or self.name, placement=self.placement, torch_threads=self.torch_threads)
 
 
 @dataclass(frozen=True)

@@ -76,16 +76,19 @@ def place(g: BuiltGraph) -> tuple[list[GroupPlan], list[PoolPlan], ClusterPlan]:
     ops_of: dict[str, list[str]] = {}
     for o in g.pipeline.ops:
         ops_of.setdefault(o.group or "", []).append(o.name)
-    group_plans = [
-        GroupPlan(name=gr.name, dp=gr.dp, num_cpus=gr.num_cpus, num_gpus=gr.num_gpus, pool=gr.pool,
-                  ops=ops_of.get(gr.name, []))
-        for gr in g.groups
-    ]
     bundles: dict[str, list[BundlePlan]] = {}
     for slot in g.slots:
         bundles.setdefault(slot.pool, []).append(BundlePlan(
             index=slot.index, node=g.packing.node_of[(slot.pool, slot.index)], num_cpus=slot.cpus,
             num_gpus=slot.gpus))
+    group_plans = [
+        GroupPlan(name=gr.name, dp=gr.dp, num_cpus=gr.num_cpus, num_gpus=gr.num_gpus, pool=gr.pool,
+                  ops=ops_of.get(gr.name, []),
+                  # colocated groups take turns on a bundle, so a worker computing alone may use all of it
+                  torch_threads=gr.torch_threads or max(1, int(max((b.num_cpus for b in bundles[gr.pool]),
+                                                                   default=gr.num_cpus))))
+        for gr in g.groups
+    ]
     pool_plans = [PoolPlan(name=pool, groups=[m.name for m in members],
                            placement=pool_placement(m.placement for m in members),
                            bundles=bundles[pool])

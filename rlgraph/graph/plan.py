@@ -132,6 +132,8 @@ class GroupPlan(_Frozen):
     num_gpus: float
     pool: str
     ops: list[str]
+    torch_threads: int = Field(1, description="torch threads of each worker (groups.<name>.torch_threads, else the "
+                               "bundle's whole CPUs); the worker caps it at the cores its process may use")
 
 
 class BundlePlan(_Frozen):

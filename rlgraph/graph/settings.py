@@ -268,6 +268,9 @@ class GroupSettings(Section):
     """logical CPUs per worker"""
     num_gpus: float = Field(0.0, ge=0.0)
     """GPUs per worker"""
+    torch_threads: int = Field(0, ge=0)
+    """torch threads of each worker; 0: the whole CPUs of its pool's bundle (colocated groups take turns on it),
+    at least 1, and never more than the cores the worker's process may use"""
     pool: str
     """resource pool; groups sharing one are colocated"""
     placement: Literal[PLACEMENTS] = "pack"  # type: ignore[valid-type]

@@ -56,6 +56,19 @@ def _moved_since(before: tuple[int, int]) -> dict[str, int]:
     return {"local_bytes": local - before[0], "cross_node_bytes": remote - before[1]}
 
 
+def torch_threads(planned: int) -> int:
+    """Set this process's torch threads to the plan's number for its group, capped at the cores the
+    process may use (Ray sets OMP_NUM_THREADS to an actor's logical CPUs, 1 for a fraction); returns it."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    n = max(1, min(int(planned), cores))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
 def _slice_rows(inputs: dict[str, Any], a: int, b: int, n: int) -> dict[str, Any]:
     """Rows `a:b` of a call's inputs (each a dense tensor or a list with `n` rows)."""
     if (a, b) == (0, n):
@@ -94,6 +107,7 @@ class GroupWorker:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self.plan = Plan.model_validate_json(plan_json)
         self.group, self.rank, self.dp = group, rank, dp
+        self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
         self.client = handle.connect()
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
 

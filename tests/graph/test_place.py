@@ -144,3 +144,29 @@ def test_a_pool_takes_the_most_spread_placement_of_its_groups(ppo) -> None:
     plan = compile_pipeline(ppo, ["cluster.num_nodes=2", "groups.critic.pool=reward",
                                   "groups.critic.placement=strict_spread", "groups.reward.placement=spread"])
     assert next(p for p in plan.pools if p.name == "reward").placement == "strict_spread"
+
+
+def test_torch_threads_follow_the_cpus_of_the_bundle(ppo) -> None:
+    plan = compile_pipeline(ppo)
+    # 1 CPU per worker -> 1 thread; advantage's 0.5 CPU still computes on 1
+    assert {g.name: g.torch_threads for g in plan.groups} == {"actor": 1, "critic": 1, "reward": 1, "advantage": 1}
+    shared = compile_pipeline(ppo, ["groups.critic.pool=actor", "groups.critic.num_cpus=2.5", "groups.actor.num_cpus=4",
+                                    "groups.reward.torch_threads=3", "cluster.cpus_per_node=16"])
+    # colocated groups take turns on a bundle of max(4, 2.5) CPUs, so each may use all of it
+    assert {g.name: g.torch_threads for g in shared.groups} == {"actor": 4, "critic": 4, "reward": 3, "advantage": 1}
+
+
+def test_a_worker_sets_its_torch_threads_capped_at_its_cores(ppo, monkeypatch) -> None:
+    import os
+
+    import torch
+
+    from rlgraph.runtime.worker import torch_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    try:
+        assert torch_threads(1) == 1 and torch.get_num_threads() == 1
+        assert torch_threads(8) == 2 and torch.get_num_threads() == 2  # two cores to use
+    finally:
+        torch.set_num_threads(before)
