@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -300,8 +301,7 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     (open in Perfetto) and DIR/timeline.svg (op calls per worker against time), plus plan.json
     and pipeline.svg.
     """
-    from rlgraph.runtime.reporting import make_reporter
-    from rlgraph.runtime.runner import RunOptions, Runner, prepare
+    import threading
 
     plan = _plan_or_compile(target, overrides)
     out = out_dir or Path("runs") / plan.pipeline
@@ -314,18 +314,50 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     if verbose:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("rlgraph").setLevel(logging.INFO)
-    options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
-                         timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out, plan),
-                         on_ray_started=_interrupt_on_signals, verbose=verbose, trace_steps=trace_steps,
-                         keep_records=False)  # metrics.jsonl has every record; the driver keeps none
-    _interrupt_on_signals()
+    # Ray starts (its own processes) while this process imports the runtime (torch, TransferQueue)
+    # and runs the pipeline's prepare hook on a thread: start-up pays for the longer of the two
+    loaded: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            from rlgraph.runtime.runner import prepare
+            prepare(plan)
+        except BaseException as e:  # raised on the main thread below
+            loaded["error"] = e
+
+    loader = threading.Thread(target=load, name="rlgraph_import", daemon=True)
+    loader.start()
+    ray_handle = None
+    runner = None
     try:
-        prepare(plan)
-        with Runner(plan, options) as runner:  # stops everything it started, also on Ctrl-C
+        _interrupt_on_signals()
+        from dataclasses import replace
+
+        from rlgraph.runtime.cluster import start_ray
+
+        t0 = time.time()
+        ray_handle = start_ray(plan, address, verbose)
+        ray_handle = replace(ray_handle, seconds=time.time() - t0)
+        _interrupt_on_signals()  # ray.init replaces the SIGTERM handler
+        loader.join()
+        if "error" in loaded:
+            raise loaded["error"]
+        from rlgraph.runtime.reporting import make_reporter
+        from rlgraph.runtime.runner import RunOptions, Runner
+
+        options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
+                             timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out, plan),
+                             on_ray_started=_interrupt_on_signals, verbose=verbose, trace_steps=trace_steps,
+                             keep_records=False, ray=ray_handle)  # metrics.jsonl has every record
+        runner = Runner(plan, options)
+        with runner:  # stops everything it started, Ray included, also on Ctrl-C
             runner.run()
     except KeyboardInterrupt:
         click.echo("interrupted: Ray and the data plane were shut down", err=True)
         sys.exit(130)
+    finally:
+        if ray_handle is not None:  # stopped already when the runner started; not when it never did
+            ray_handle.shutdown()
     click.echo(f"ran {runner.written} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
                f"{out / 'reward_curve.svg'}, {out / 'trace.json'}, {out / 'timeline.svg'}")
 

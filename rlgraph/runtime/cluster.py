@@ -43,6 +43,7 @@ class RayHandle:
 
     started_here: bool
     address: str | None
+    seconds: float = 0.0  # how long starting it took, when it was started before the fleet (`rlgraph run`)
 
     def shutdown(self) -> None:
         import ray

@@ -17,6 +17,7 @@ knows what state to restore.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
@@ -46,10 +47,12 @@ class Fleet:
 
     def __init__(self, plan: Plan, timeout_s: float, dataplane: str | None = None, address: str | None = None,
                  plane: Any = None, on_ray_started: Any = None, verbose: bool = False,
-                 on_phase: Callable[[str], None] | None = None, inject_faults: bool = False) -> None:
+                 on_phase: Callable[[str], None] | None = None, inject_faults: bool = False,
+                 ray_handle: RayHandle | None = None) -> None:
         """`plane`: an already started data plane to use (and leave running), e.g. a test session's.
         `on_phase` is told, in a line each, when a start-up phase is done and how long it took.
-        `inject_faults`: start workers that take the runner's fault-injection hook (tests)."""
+        `inject_faults`: start workers that take the runner's fault-injection hook (tests).
+        `ray_handle`: a Ray the caller started for this run (used, and stopped at the end)."""
         self._inject_faults = inject_faults
         self._on_phase = on_phase or (lambda message: None)
         self.plan = plan
@@ -63,11 +66,13 @@ class Fleet:
         self._own_plane = plane is None
         self.plane: Any = plane
         self.ray: RayHandle | None = None
+        self._ray_given = ray_handle
         self.workers: dict[str, list[Any]] = {}
         self.source: Any = None
         self.stateful: dict[str, bool] = {}  # group -> keeps state beyond a call (restore it, not just restart)
         self.initial_source_state: Any = None
         self._pgs: dict[str, Any] = {}  # pool -> placement group
+        self._plane_job: concurrent.futures.Future | None = None  # the data plane starting beside the workers
         self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
         self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
@@ -84,11 +89,10 @@ class Fleet:
         self.close()
 
     def start(self) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-
         t0 = time.time()
-        self.ray = start_ray(self.plan, self._address, self._verbose)
+        self.ray, self._ray_given = self._ray_given or start_ray(self.plan, self._address, self._verbose), None
+        if self.ray.seconds:
+            t0 -= self.ray.seconds  # started before the fleet, beside the imports
         if self._on_ray_started:
             self._on_ray_started()
         # before any actor: fail with a list, never hang; the nodes as the run found them (a restart
@@ -98,12 +102,24 @@ class Fleet:
         how = ("joined " + self._address if self._address else "started on 127.0.0.1") if self.ray.started_here \
             else "already running"
         self._on_phase(f"Ray: {how}, {len(self.nodes)} node(s), {cpus:g} CPUs ({time.time() - t0:.1f}s)")
+        # the data plane starts on a thread while the workers start and load their models; they connect
+        # to it once both are up (its actors' CPUs are reserved by the plan beside the pools')
+        plane_job = None
         if self.plane is None:
-            t0 = time.time()
-            self.plane = self._start_dataplane()
-            units = self._storage_units()
-            kind = "Ray object store" if self._backend == "ray" else f"TransferQueue, {units} storage unit(s)"
-            self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s)")
+            plane_job = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
+            self._plane_job = plane_job.submit(self._timed_plane_start)
+        try:
+            self._start_workers()
+        finally:
+            if plane_job is not None:
+                plane_job.shutdown(wait=True)  # on a failure too: close() then stops what it started
+
+    def _start_workers(self) -> None:
+        """Placement groups, the worker actors and the source; their models loaded; connected to the
+        data plane (started beside them by `start`, or given)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
         t0 = time.time()
         for pool in self.plan.pools:
             bundles = [{"CPU": max(b.num_cpus, 0.01), **({"GPU": b.num_gpus} if b.num_gpus else {})}
@@ -116,22 +132,40 @@ class Fleet:
             except ray.exceptions.GetTimeoutError:
                 raise StepTimeout(f"placement group for pool {pool!r} was not ready after {self.timeout_s:g}s; "
                                   f"`ray status` shows what is pending") from None
+        handle = self.plane.handle() if self._plane_job is None else None  # None: connect once the plane is up
         for g in self.plan.groups:
-            self._create_group(g.name)
-        self._create_source()
+            self._create_group(g.name, handle)
+        self._create_source(handle)
         names = list(self.workers)
         meet = self._rendezvous(names)
         actors = sum(len(ws) for ws in self.workers.values())
         self._on_phase(f"workers: {actors} actor(s) in {len(names)} group(s) and the data source on "
                        f"{len(self._pgs)} pool(s) ({time.time() - t0:.1f}s)")
         t0 = time.time()
-        self._setup_groups(names, meet)
+        setups = self._submit_setups(names, meet)
+        if self._plane_job is not None:  # the workers connect (on their control thread) while they load models
+            self._plane_job.result(timeout=self.timeout_s + 180)  # its own waits have timeouts; this is a backstop
+            self._plane_job = None
+            handle = self.plane.handle()
+            connects = [w.connect.options(concurrency_group=CONTROL).remote(handle)
+                        for ws in self.workers.values() for w in ws] + [self.source.connect.remote(handle)]
+            self.get(connects, "the workers to connect to the data plane")
+            self._on_phase(f"connected {len(connects)} actor(s) to the data plane ({time.time() - t0:.1f}s after "
+                           f"they started)")
+        self._setups_done(setups)
         self._on_phase(f"model load: op imports and worker setup, models included ({time.time() - t0:.1f}s)")
         self.initial_source_state = self.get([self.source.state_dict.remote()], "the data source to start")[0]
         has_state = self.get([self.workers[g][0].has_instance_state.remote() for g in names], "worker state inventory")
         state_ops = self.plan.state_ops()
         for g, inst in zip(names, has_state):
             self.stateful[g] = bool(inst) or any(o in state_ops for o in self.plan.group(g).ops)
+
+    def _timed_plane_start(self) -> None:
+        t0 = time.time()
+        self.plane = self._start_dataplane()
+        units = self._storage_units()
+        kind = "Ray object store" if self._backend == "ray" else f"TransferQueue, {units} storage unit(s)"
+        self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s, beside the workers' start)")
 
     def _start_dataplane(self) -> Any:
         from rlgraph.runtime.dataplane import RayObjectStoreDataPlane, TransferQueueConfig, TransferQueueDataPlane
@@ -146,8 +180,9 @@ class Fleet:
         assert units is not None, "the compiler resolves dataplane.storage_units (one per node) into every plan"
         return units
 
-    def _create_group(self, name: str) -> None:
-        """Start the actors of worker group `name` (not yet set up) on its pool's bundles."""
+    def _create_group(self, name: str, handle: Any = ...) -> None:
+        """Start the actors of worker group `name` (not yet set up) on its pool's bundles, connected
+        to the data plane through `handle` (default: the running plane's; None: connect later)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -165,16 +200,17 @@ class Fleet:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pgs[g.pool], placement_group_bundle_index=r),
                 max_restarts=0,  # restarts are the runner's: it restores state and re-runs the work
-            ).remote(self._plan_json, name, r, g.dp, self.plane.handle())
+            ).remote(self._plan_json, name, r, g.dp, self.plane.handle() if handle is ... else handle)
             for r in range(g.dp)
         ]
 
-    def _create_source(self) -> None:
+    def _create_source(self, handle: Any = ...) -> None:
         import ray
 
         from rlgraph.runtime.source import SourceWorker
 
-        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, self.plane.handle())
+        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(
+            self._plan_json, self.plane.handle() if handle is ... else handle)
 
     def _rendezvous(self, names: list[str]) -> list[Any]:
         """Rank 0's address of each group in `names` (once its actors have started): every rank of
@@ -183,10 +219,15 @@ class Fleet:
 
     def _setup_groups(self, names: list[str], meet: list[Any] | None = None) -> None:
         meet = self._rendezvous(names) if meet is None else meet
+        self._setups_done(self._submit_setups(names, meet))
+
+    def _submit_setups(self, names: list[str], meet: list[Any]) -> list[tuple[tuple[str, int], Any]]:
         ranks = [(g, r) for g in names for r in range(len(self.workers[g]))]
-        setups = [self.workers[g][r].setup.remote(*meet[names.index(g)]) for g, r in ranks]
-        nodes = self.get(setups, "worker start-up (op imports, worker classes' setup: model loading)")
-        self.node_of.update(zip(ranks, nodes))
+        return [((g, r), self.workers[g][r].setup.remote(*meet[names.index(g)])) for g, r in ranks]
+
+    def _setups_done(self, setups: list[tuple[tuple[str, int], Any]]) -> None:
+        nodes = self.get([ref for _, ref in setups], "worker start-up (op imports, worker classes' setup: model loading)")
+        self.node_of.update(zip([rank for rank, _ in setups], nodes))
 
     def placement(self) -> dict[str, Any]:
         """Where the workers run: the cluster's nodes (Ray node ids, head first, then in Ray's order)

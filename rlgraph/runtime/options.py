@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, TYPE_CHECKING, Callable
 
 from rlgraph.runtime.recovery import Fault
 
@@ -32,4 +32,7 @@ class RunOptions:
     faults: list[Fault] = field(default_factory=list)  # fault injection (tests)
     verbose: bool = False  # the actors' own output (Ray, engines) on this terminal; long waits logged
     trace_steps: int = 200  # trace.json and timeline.svg show the op calls of the last this many steps (0: all)
+    # a Ray this run already started (`rlgraph run` starts it while the runtime's modules import); the
+    # fleet uses it, and stops it at the end, instead of starting one
+    ray: Any = None
     keep_records: bool = True  # run() returns every step's record (metrics.jsonl has them all either way)

@@ -60,7 +60,7 @@ class Runner:
         self.reporter: Reporter = options.reporter or Reporter()
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
                            options.verbose, on_phase=lambda message: self.reporter.phase(message),
-                           inject_faults=bool(options.faults))
+                           inject_faults=bool(options.faults), ray_handle=options.ray)
         self._spans: deque[list[Span]] = deque(maxlen=options.trace_steps or None)  # per step, the latest
         self.written = 0  # steps whose records this run wrote
         self.headline = [f"{name}/mean" for name in plan.summaries.values()]

@@ -91,7 +91,7 @@ class SourceWorker:
     the driver; `produce` returns only the row metadata (group ids and padding tags).
     """
 
-    def __init__(self, plan_json: str, handle: Any) -> None:
+    def __init__(self, plan_json: str, handle: Any = None) -> None:
         self.plan = Plan.model_validate_json(plan_json)
         if not self.plan.source_impl:
             raise SourceError(f"the plan's data source {self.plan.source!r} has no implementation (impl); give "
@@ -100,6 +100,10 @@ class SourceWorker:
         # the source's own section (a compiled plan has every key of it) and trainer.seed
         self.source = cls(dict(self.plan.config[self.plan.source]), TrainerSettings.of(self.plan).seed)
         self.columns = {c: self.plan.columns[c] for c in self.plan.source_columns}
+        self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
+
+    def connect(self, handle: Any) -> None:
+        """Connect to the data plane (a source started before the plane was ready)."""
         self.client = handle.connect()
 
     def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False

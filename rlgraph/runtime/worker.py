@@ -101,15 +101,19 @@ def _row_sums(value: Any) -> list[float]:
 class GroupWorker:
     """Body of the Ray actor (wrapped with ``ray.remote`` by the runner, so it is testable as is)."""
 
-    def __init__(self, plan_json: str, group: str, rank: int, dp: int, handle: Any) -> None:
+    def __init__(self, plan_json: str, group: str, rank: int, dp: int, handle: Any = None) -> None:
         os.environ.setdefault("TQ_NUM_THREADS", "2")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no per-load bars in every worker's log
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self.plan = Plan.model_validate_json(plan_json)
         self.group, self.rank, self.dp = group, rank, dp
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
-        self.client = handle.connect()
+        self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
+
+    def connect(self, handle: Any) -> None:
+        """Connect to the data plane (a worker started before the plane was ready)."""
+        self.client = handle.connect()
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (asked of rank 0 for its group)."""
@@ -264,7 +268,8 @@ class GroupWorker:
         return True
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 class FaultInjectingWorker(GroupWorker):

@@ -15,14 +15,24 @@ from rlgraph.runtime.dataplane.base import (
     locality_bytes_in_this_process,
     payload_bytes_in_this_process,
 )
-from rlgraph.runtime.dataplane.ray_store import RayObjectStoreDataPlane, RayObjectStoreHandle
-from rlgraph.runtime.dataplane.tq import (
-    TransferQueueConfig,
-    TransferQueueDataPlane,
-    TransferQueueHandle,
-    check_tq_resources,
-    tq_resource_problems,
-)
+
+# The backends are imported on first use: TransferQueue brings tensordict and torch._dynamo (about a
+# second of a process's start), and a worker needs its backend only once it connects, which it
+# does beside loading its model (`rlgraph.runtime.fleet`).
+_BACKENDS = {
+    "RayObjectStoreDataPlane": "ray_store", "RayObjectStoreHandle": "ray_store",
+    "TransferQueueConfig": "tq", "TransferQueueDataPlane": "tq", "TransferQueueHandle": "tq",
+    "check_tq_resources": "tq", "tq_resource_problems": "tq",
+}
+
+
+def __getattr__(name: str):
+    module = _BACKENDS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 __all__ = [
     "ColumnData",
