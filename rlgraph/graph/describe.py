@@ -192,8 +192,9 @@ def schedule_section(plan: Plan) -> RenderableType:
              f"carried into the batch: {', '.join(rf.carried)}")
     for op, why in plan.reused.items():
         _row(grid, "left out", f"{op}: {why}")
-    _row(grid, "batched calls", "ready chunks of a per-sample or per-group op go out as one call per idle rank "
-         "(one get, one put; the body still runs once per chunk)")
+    batched = [o.name for o in plan.ops if plan.batches_calls(o.name)]
+    _row(grid, "batched calls", (", ".join(batched) + ": ready chunks go out together, one call per rank (one get, "
+                                 "one put; the body still runs once per chunk)") if batched else "none")
     return Group(Text("schedule", style="bold"), grid)
 
 

@@ -264,6 +264,17 @@ class Plan(_Frozen):
         return {o.name for o in self.ops
                 if o.state_inputs or any(self.columns[c].kind == "state" for c in o.outputs)}
 
+    def batches_calls(self, name: str) -> bool:
+        """Whether the runtime sends ready chunks of op `name` together, one call per rank
+        (`rlgraph.runtime.scheduler`): not a barrier, a per-rank or a streaming op, and either cheap
+        (``cost`` below 1) or read by nothing on another pool, so batching delays no other pool."""
+        o = self.op(name)
+        if o.mode == "barrier" or o.batching.per_rank or o.streams:
+            return False
+        pool = {g.name: g.pool for g in self.groups}
+        readers = {r for c in o.outputs for r in self.columns[c].consumers}
+        return o.cost < 1.0 or all(pool[self.op(r).group] == pool[o.group] for r in readers)
+
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:
             if g.name == name:

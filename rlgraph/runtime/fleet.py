@@ -409,6 +409,19 @@ class Fleet:
         homes = row_homes(self.plan, rows, self.node_of, units)
         return (None, None) if homes is None else (homes, [units[h] for h in homes])
 
+    def clear(self, partition: str) -> None:
+        """Clear `partition` from the data plane, and have every worker drop what it kept of it in
+        memory (`rlgraph.runtime.dataplane.local`; queued behind the calls it is running)."""
+        try:
+            self.plane.clear(partition)
+        finally:
+            for ws in self.workers.values():
+                for w in ws:
+                    try:
+                        w.forget.remote(partition)
+                    except Exception:  # a dead actor: its memory went with it
+                        pass
+
     def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> tuple[list[int], list[bool]]:
         """Have the source write a step's first columns; returns the rows' group ids and padding tags."""
         return self.get([self.source.produce.remote(partition, rows, uid_start, validation)],

@@ -75,6 +75,12 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
 
 
+def _chunks(call: Call) -> str:
+    """The chunks a call held, for people: "chunk 3", or "chunks 0, 1, 2" for a batched call."""
+    idx = [c.index for c in call.chunks]
+    return f"chunk {idx[0]}" if len(idx) == 1 else "chunks " + ", ".join(map(str, idx))
+
+
 class Recovery:
     """Counts each step's failures, mends failed calls, and restores the fleet for a replay."""
 
@@ -128,7 +134,7 @@ class Recovery:
         died = isinstance(e, ray.exceptions.RayActorError)
         if died:
             e = WorkerDiedError(f"worker {call.group}[{call.rank}] died while running op {call.chunk.op!r} at step "
-                                f"{step} (chunk {call.chunk.index}, {len(call.rows)} rows): {first_line(e)} "
+                                f"{step} ({_chunks(call)}, {len(call.rows)} rows): {first_line(e)} "
                                 f"(its log is under /tmp/ray/session_latest/logs)")
         self.count(step, e)
         action = repair_for(self.plan, call.chunk.op, died, self.fleet.stateful[call.group])

@@ -118,7 +118,7 @@ class Refiller:
             try:
                 fleet.assemble(partition, picks, list(rf.carried), padded - n_kept, pad_start)
             except BaseException:
-                fleet.plane.clear(partition)
+                fleet.clear(partition)
                 raise
         except BaseException as e:
             lost = plane_lost(e)  # a dead plane has nothing to clear, and answers nothing
@@ -126,7 +126,7 @@ class Refiller:
         finally:
             if not lost:
                 for part in made:
-                    fleet.plane.clear(part)
+                    fleet.clear(part)
         # the summaries of every generated sample, where they are written before the filter (the
         # trained ones are the filter's choice: their score says little about the policy's accuracy)
         gen_means = {f"generated/{name}/mean": sum(vals.values()) / len(vals)
@@ -141,7 +141,7 @@ class Refiller:
                                   gated=runner.window.gated_ops(), row_nodes=row_nodes, rank_nodes=fleet.node_of,
                                   carried=(rf.carried, range(n_kept), rf.round_ops))
         except BaseException:
-            fleet.plane.clear(partition)
+            fleet.clear(partition)
             raise
         key = StepKey(step)
         runner.window.admit(key, sched)

@@ -7,10 +7,9 @@ and moves weights between groups as the window asks (`rlgraph.runtime.weights`);
 step's record is built by `rlgraph.runtime.metrics`, validation and checkpoints run every k
 steps, and a failure goes to `rlgraph.runtime.recovery` (repair in place, or restore and replay).
 
-With ``trainer.max_staleness = k`` the same loop keeps up to k+1 steps in flight: step t+1's
-prompts are generated while step t is scored and trained; `rlgraph.runtime.window` fixes which
-weights every read sees, so results never depend on timing. Validation and checkpoint steps
-drain the window. Every wait has a timeout naming what it waited for.
+With ``trainer.max_staleness = k`` the same loop keeps up to k+1 steps in flight (and one more
+admitted ahead); `rlgraph.runtime.window` fixes which weights every read sees, so results never
+depend on timing. Validation and checkpoints drain the window. Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -55,7 +54,8 @@ class Runner:
         self.steps = options.steps if options.steps is not None else trainer.steps
         self.schedule = options.schedule or trainer.schedule
         self.val_every, self.save_every = trainer.val_every, trainer.save_every
-        self.depth = trainer.max_staleness + 1  # steps in flight
+        # in flight: k+1 steps, and one admitted ahead (held by the window's gates) unless admitting runs rounds
+        self.depth = trainer.max_staleness + (1 if plan.refill is not None else 2)
         self.max_retries = options.max_retries if options.max_retries is not None else trainer.max_retries
         self.reporter: Reporter = options.reporter or Reporter()
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
@@ -66,6 +66,7 @@ class Runner:
         self.headline = [f"{name}/mean" for name in plan.summaries.values()]
         self._heads: dict[int, dict[str, Any]] = {}  # step -> its headline metrics, to check a replay against
         self._run_start = self._next = 0  # _next: the first step not written yet (earlier ones are replays)
+        self._last_end = 0.0  # when the latest training step ended
         self.slots = Slots(plan)
         self.idle = IdleClock()
         self.refiller = Refiller(self) if plan.refill is not None else None
@@ -79,7 +80,7 @@ class Runner:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.fleet.close()
 
     def start(self) -> None:
         self.fleet.start()
@@ -88,12 +89,10 @@ class Runner:
     def _started(self) -> None:
         self.window = Window(self.plan, self.fleet.stateful)
         self.weights = WeightMover(self.plan, self.fleet, self.window)
-        self.recovery = Recovery(self.plan, self.fleet, self.weights, self.reporter, self.max_retries,
-                                 self.opts.faults)
+        self.recovery = Recovery(self.plan, self.fleet, self.weights, self.reporter, self.max_retries, self.opts.faults)
 
     def close(self) -> None:
         self.fleet.close()
-
     # ------------------------------------------------------------------ the run
     def run(self) -> list[dict[str, Any]]:
         """Run steps (after the latest checkpoint with ``resume``); returns their metrics records."""
@@ -134,7 +133,7 @@ class Runner:
             raise
         finally:
             self.reporter.close(error)
-            ahead = f", up to {self.depth} steps in flight" if self.depth > 1 else ""
+            ahead = f", up to {self.depth - 1} steps in flight" if self.depth > 2 else ""
             write_run_charts(out, self.plan.pipeline, self.headline, self.all_spans, f"{self.schedule} schedule{ahead}")
         return records
 
@@ -241,7 +240,7 @@ class Runner:
             uids, is_padding = self.fleet.produce(partition, rows, step * rows if uid_start is None else uid_start,
                                                   key.phase == VALIDATE)
         except BaseException:
-            self.fleet.plane.clear(partition)
+            self.fleet.clear(partition)
             raise
         sched = StepScheduler(self.plan, uids, is_padding, step, self.schedule, ops, slots=self.slots,
                               gated=self.window.gated_ops(reads_fixed=not key.training), row_nodes=row_nodes,
@@ -304,7 +303,7 @@ class Runner:
         except BaseException as e:
             if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
                 for lv in live.values():
-                    self.fleet.plane.clear(lv.partition)
+                    self.fleet.clear(lv.partition)
             self._abandon()
             raise
 
@@ -313,9 +312,10 @@ class Runner:
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
         if not lv.keep:
-            self.fleet.plane.clear(lv.partition)
+            self.fleet.clear(lv.partition)
         lv.t1, lv.bytes1 = time.time(), payload_bytes_in_this_process()
-        if lv.training:
+        if lv.training:  # its time: from the later of its admission and the end of the step before it
+            lv.t0, self._last_end = max(lv.t0, self._last_end), lv.t1
             self.weights.prune(lv.step + 1)
         return lv
 

@@ -26,10 +26,15 @@ time-share it). Ready chunks go out in plan order of their ops, chunks in index 
 goes to the idle rank of its group that has been handed the fewest rows this step (a group of
 several ranks is a worker pool); a barrier chunk waits for every rank of its group and is split
 into contiguous shards. **Batched calls:** when several chunks of an op (not a barrier, not a
-per-rank or streaming op) are ready at once, they go out as one call per idle rank, the ready
-chunks shared evenly over the idle ranks: the worker reads their inputs with one get, runs the
-body once per chunk (so results do not change) and writes the outputs with one put. Sixteen
-ready GRPO groups cost one round trip, not sixteen. ``sync`` additionally holds an op until every op of earlier stages has
+per-rank or streaming op) are ready at once, they go out together: a call takes its share of
+the ready chunks over the group's ranks (all of them on one rank, half on two); the worker reads
+their inputs with one get, runs the body once per chunk (so results do not change) and writes
+the outputs with one put. Sixteen ready GRPO groups cost one round trip, not sixteen. Batching
+trades overlap for round trips, so an op is batched only when it is cheap (its ``cost`` hint is
+below 1: reward, advantage) or nothing on another pool reads its outputs (ref before the update
+on the actor): a long op feeding another pool keeps one call per chunk, so its readers start on
+the first chunk's rows.
+``sync`` additionally holds an op until every op of earlier stages has
 finished (a barrier after each stage, like the classic single-controller trainer).
 
 **Locality.** On a cluster whose data plane gives rows a home (TransferQueue, one storage unit
@@ -260,6 +265,7 @@ class StepScheduler:
         self.step = step
         self.schedule = schedule
         self.batch_calls = batch_calls
+        self._batching: dict[str, bool] = {}  # op -> whether its ready chunks go out together
         self.uids = list(uids)
         self.is_padding = [bool(p) for p in is_padding]
         self.num_rows = n = len(self.uids)
@@ -377,6 +383,9 @@ class StepScheduler:
         group, dp = st.plan.group, self._dp[st.plan.group]
         free = [r for r in range(dp) if (st.pool, r) not in self.slots.busy]
         calls: list[Call] = []
+        # ready chunks shared over the group's ranks (not only the idle ones: a rank freed a moment
+        # later still gets its share, so a batched call never holds back a group's parallelism)
+        share = -(-len(st.ready) // dp) if self._batches(st) else 1
         while st.ready and free:
             if st.plan.mode == "barrier":
                 if len(free) < dp:
@@ -386,8 +395,7 @@ class StepScheduler:
                 parts = [(r, chunk.rows[r * n // dp:(r + 1) * n // dp]) for r in range(dp)]
                 more: tuple[Chunk, ...] = ()
             else:
-                take = -(-len(st.ready) // len(free)) if self._batches(st) else 1  # share ready chunks evenly
-                chunk, *rest = [st.chunks[heapq.heappop(st.ready)] for _ in range(take)]
+                chunk, *rest = [st.chunks[heapq.heappop(st.ready)] for _ in range(min(share, len(st.ready)))]
                 more = tuple(rest)
                 home = self._chunk_home(chunk)
                 parts = [(min(free, key=lambda r: (home is not None and self._rank_nodes.get((group, r)) != home,
@@ -404,9 +412,11 @@ class StepScheduler:
         return calls
 
     def _batches(self, st: _Op) -> bool:
-        """Whether ready chunks of `st` go out together (`batch_calls`; never a barrier's shards, a
-        per-rank op's or a streaming op's chunk, which are one call each by definition)."""
-        return self.batch_calls and st.plan.mode != "barrier" and not st.plan.batching.per_rank and not st.plan.streams
+        """Whether ready chunks of `st` go out together (see the module's Dispatch)."""
+        name = st.plan.name
+        if name not in self._batching:
+            self._batching[name] = self.batch_calls and self.plan.batches_calls(name)
+        return self._batching[name]
 
     def _chunk_home(self, chunk: Chunk) -> str | None:
         """The node storing most of `chunk`'s rows (the first such node on a tie); None without locality."""

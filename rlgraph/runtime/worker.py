@@ -23,6 +23,7 @@ import torch
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.dataplane import locality_bytes_in_this_process
+from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
 from rlgraph.runtime.trace import Span
 
@@ -54,6 +55,24 @@ def _moved_since(before: tuple[int, int]) -> dict[str, int]:
     runs one op call at a time on its default thread, so the difference is the call's.)"""
     local, remote = locality_bytes_in_this_process()
     return {"local_bytes": local - before[0], "cross_node_bytes": remote - before[1]}
+
+
+def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(columns a worker of `group` keeps in memory, those of them it never puts to the data plane).
+
+    It keeps the per-sample data columns it writes that an op of its own group reads. It keeps
+    one to itself only when nothing else can need it: every reader is in the group, the group has
+    one rank (so the reader runs where the writer did) and keeps state (a death restores from a
+    checkpoint and replays the step, so the value is made again), no dynamic sampling copies rows
+    between partitions, and it is not a validation or summary column."""
+    ops = set(plan.group(group).ops)
+    kept = frozenset(c.name for c in plan.columns.values()
+                     if c.producer in ops and c.level == "sample" and c.kind == "data" and c.stored
+                     and any(r in ops for r in c.consumers))
+    alone = (plan.group(group).dp == 1 and bool(ops & plan.state_ops()) and plan.refill is None)
+    private = frozenset(c for c in kept if alone and set(plan.columns[c].consumers) <= ops
+                        and c not in plan.validation.columns and c not in plan.summaries)
+    return kept, private
 
 
 def torch_threads(planned: int) -> int:
@@ -108,6 +127,8 @@ class GroupWorker:
         self.plan = Plan.model_validate_json(plan_json)
         self.group, self.rank, self.dp = group, rank, dp
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
+        self.local = LocalColumns()
+        self.kept, self.private = local_columns(self.plan, group)
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
 
@@ -147,14 +168,14 @@ class GroupWorker:
         dropped: dict[int, tuple[str, bool]] = {}
         with self._failures(op_name, step, chunks[0][0], rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunks[0][0])
-            at = 0
-            for index, n in chunks:
-                sub = rows[at:at + n]
-                with self._failures(op_name, step, index, sub, uids[at:at + n]):
-                    outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
-                                                  _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt))
-                dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
-                at += n
+        at = 0
+        for index, n in chunks:
+            sub = rows[at:at + n]
+            with self._failures(op_name, step, index, sub, uids[at:at + n]):
+                outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
+                                              _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt))
+            dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
+            at += n
         out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
         self._put(partition, rows, out)
         return CallResult(
@@ -216,14 +237,30 @@ class GroupWorker:
 
     def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
         sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
-        return self.client.get(partition, rows, sample_inputs) if sample_inputs and rows else {}
+        if not sample_inputs or not rows:
+            return {}
+        got = self.local.take(partition, rows, sample_inputs)  # what this worker wrote itself
+        rest = [c for c in sample_inputs if c not in got]
+        if rest:
+            got.update(self.client.get(partition, rows, rest))
+        return got
 
     def _put(self, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
         put = {c: v for c, v in out.items()
                if self.plan.columns[c].level == "sample" and self.plan.columns[c].kind == "data"
                and self.plan.columns[c].stored}
-        if put and rows:
-            self.client.put(partition, rows, put)
+        if not put or not rows:
+            return
+        keep = {c: v for c, v in put.items() if c in self.kept}
+        if keep:
+            self.local.keep(partition, rows, keep)
+        shared = {c: v for c, v in put.items() if c not in self.private}
+        if shared:
+            self.client.put(partition, rows, shared)
+
+    def forget(self, partition: str) -> None:
+        """The driver cleared `partition`: drop what this worker kept of it."""
+        self.local.forget(partition)
 
     def _summaries(self, out: dict[str, Any], rows: tuple[int, ...], positions: Sequence[int],
                    is_padding: Sequence[bool], dropped: dict[int, Any]) -> dict[str, dict[int, float]]:

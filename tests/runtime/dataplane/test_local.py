@@ -1,0 +1,68 @@
+"""A worker's own columns (`LocalColumns`, `local_columns`): read back as the plane would return them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlgraph import compile
+from rlgraph.graph.loader import load_pipeline
+from rlgraph.runtime.dataplane.local import LocalColumns
+from rlgraph.runtime.worker import local_columns
+
+ROOT = Path(__file__).parents[3]
+
+
+def test_values_come_back_as_a_plane_get_returns_them():
+    local = LocalColumns()
+    local.keep("p", [4, 5, 6], {"dense": torch.arange(6).view(3, 2),
+                                "ragged": [torch.ones(1), torch.ones(3), torch.ones(2)],
+                                "same": [torch.zeros(2), torch.ones(2), torch.ones(2)],
+                                "text": ["a", "b", "c"], "info": [{"k": 1}, {"k": 2}, {"k": 3}]})
+    got = local.take("p", [6, 4], ["dense", "ragged", "same", "text", "info"])
+    assert torch.equal(got["dense"], torch.tensor([[4, 5], [0, 1]]))
+    assert [t.tolist() for t in got["ragged"]] == [[1.0, 1.0], [1.0]]  # ragged rows stay a list
+    assert isinstance(got["same"], torch.Tensor) and got["same"].shape == (2, 2)  # rows of one shape: dense
+    assert got["text"] == ["c", "a"]
+    got["info"][0]["k"] = 99  # a body changing what it was given changes nothing kept
+    assert local.take("p", [6], ["info"])["info"] == [{"k": 3}]
+
+
+def test_only_columns_held_for_every_row_are_served():
+    local = LocalColumns()
+    local.keep("p", [0, 1], {"a": torch.zeros(2), "b": torch.ones(2)})
+    local.keep("p", [2], {"a": torch.zeros(1)})
+    assert set(local.take("p", [0, 1, 2], ["a", "b", "c"])) == {"a"}  # b lacks row 2, c was never kept
+    assert local.take("q", [0], ["a"]) == {}
+    local.forget("p")
+    assert local.take("p", [0], ["a"]) == {} and local.partitions() == []
+
+
+def _grpo(*overrides):
+    pipeline, _ = load_pipeline(str(ROOT / "examples" / "grpo.py"))
+    return compile(pipeline, list(overrides))
+
+
+def test_the_actor_keeps_what_its_own_ops_read_and_shares_what_others_read():
+    kept, private = local_columns(_grpo(), "actor")
+    # ref and update_actor read generate's outputs on the actor
+    assert {"responses", "response_mask", "input_ids", "attention_mask", "position_ids", "ref_log_prob"} <= kept
+    # read by the actor's ops alone (one rank, a stateful group): never sent to the data plane
+    assert private == {"input_ids", "attention_mask", "position_ids", "ref_log_prob", "policy_version",
+                       "policy_version_end"}
+    assert "responses" not in private and "response_mask" not in private  # reward and advantage read them
+    assert local_columns(_grpo(), "reward") == (frozenset(), frozenset())  # advantage, its reader, is elsewhere
+
+
+@pytest.mark.parametrize("overrides", [["groups.actor.dp=2", "data.batch_size=16"]])
+def test_nothing_is_private_when_another_rank_may_read_it(overrides):
+    kept, private = local_columns(_grpo(*overrides), "actor")
+    assert "ref_log_prob" in kept and private == frozenset()
+
+
+def test_nothing_is_private_with_dynamic_sampling():
+    pipeline, _ = load_pipeline(str(ROOT / "examples" / "dapo.py"))
+    kept, private = local_columns(compile(pipeline, []), "actor")
+    assert kept and private == frozenset()  # kept rows are copied between partitions through the plane
