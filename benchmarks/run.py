@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
 NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality",
-         "trl_peer"]
+         "trl_peer", "overhead", "rowloops"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}", flush=True)
             mod = importlib.import_module(f"benchmarks.{name}")
             sub_argv = [name] + (["--quick"] if args.quick else []) + (
-                [f"--steps={args.steps}"] if args.steps and name in ("overlap", "real", "staleness", "leaks", "locality") else [])
+                [f"--steps={args.steps}"] if args.steps and name in ("overlap", "real", "staleness", "leaks", "locality", "overhead")
+                else [])
             kw = {"quick": args.quick, "argv": sub_argv}
-            if name in ("overlap", "real", "staleness", "leaks", "locality") and args.steps:
+            if name in ("overlap", "real", "staleness", "leaks", "locality", "overhead") and args.steps:
                 kw["steps"] = args.steps
             if name == "overlap":
                 kw["svg"] = svg if svg is not None else Path(doc).with_name("overlap.svg")

@@ -108,6 +108,31 @@ def test_dataplane_quick(tmp_path, planes):
     assert all(num(r[4]) > 0 and num(r[5]) > 0 for r in rows[2:])
 
 
+def test_rowloops_quick(tmp_path):
+    from benchmarks import rowloops
+
+    doc = tmp_path / "perf.md"
+    common.write_section(rowloops.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "rowloops")
+    assert rows[0] == ["helper", "rows", "per-row loop rows/s", "vectorised rows/s", "speed-up"] and len(rows) == 2 + 4
+    assert all(num(r[2]) > 0 and num(r[3]) > 0 for r in rows[2:])
+
+
+@pytest.mark.ray
+@pytest.mark.bench
+def test_overhead_quick(tmp_path, planes):
+    from benchmarks import overhead
+
+    doc = tmp_path / "perf.md"
+    common.write_section(overhead.run(quick=True, svg=tmp_path / "overhead.svg"), doc)
+    text = doc.read_text()
+    rows = table_rows(text, "overhead")
+    points = rows[2:rows.index(["part", "value", "target"])]
+    assert rows[0][:2] == ["rows (B x n)", "response tokens"] and len(points) == 3
+    assert all(num(r[3]) > 0 and num(r[2]) > 0 for r in points)  # step time, column bytes moved
+    assert "fixed per step (ms)" in text and (tmp_path / "overhead.svg").is_file()
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_overlap_and_traffic_quick(tmp_path, planes):

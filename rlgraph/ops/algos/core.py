@@ -128,37 +128,49 @@ def agg_loss(
     return seq_losses.sum() / n_seqs
 
 
+ROWS_ELEMENTS = 1 << 24  # rows of [T, V] logits taken at once: at most this many elements (64 MB in float32)
+
+
+def _row_blocks(logits: Tensor) -> int:
+    """How many rows of `logits` ([b, T, V]) to take at once: as many as keep a temporary of the
+    block's size under `ROWS_ELEMENTS` (one row of a long response with a large vocabulary)."""
+    per_row = max(1, logits[0].numel()) if logits.shape[0] else 1
+    return max(1, ROWS_ELEMENTS // per_row)
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of the softmax over the last dim: `[b, T, V] -> [b, T]`.
 
-    H = logsumexp(z) - sum_v softmax(z)_v * z_v. One row of the batch at a time, so the
-    temporary softmax is `[T, V]`, not `[b, T, V]`.
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, over blocks of rows whose temporary softmax
+    stays under `ROWS_ELEMENTS` elements (one row at a time for long responses with a large
+    vocabulary; the whole batch for short ones, without a loop over rows).
     """
-    rows = []
-    for row in logits:
-        p = torch.softmax(row, dim=-1)
-        rows.append(torch.logsumexp(row, dim=-1) - (p * row).sum(dim=-1))
-    return torch.stack(rows)
+    step = _row_blocks(logits)
+    out = []
+    for block in logits.split(step):
+        p = torch.softmax(block, dim=-1)
+        out.append(torch.logsumexp(block, dim=-1) - (p * block).sum(dim=-1))
+    return torch.cat(out) if out else logits.new_zeros(logits.shape[:-1])
 
 
 def logprobs_from_logits(logits: Tensor, token_ids: Tensor) -> Tensor:
     """log softmax(logits)[token_id] for each position: `[b, T, V], [b, T] -> [b, T]`.
 
-    One row at a time to keep peak memory at `[T, V]`. In float32/64 gather the chosen logit
-    and subtract logsumexp (no full log_softmax is kept); in bf16/fp16 logsumexp is not
-    accurate enough, so take log_softmax per row and gather from it.
+    Over blocks of rows whose temporary stays under `ROWS_ELEMENTS` elements. In float32/64
+    gather the chosen logit and subtract logsumexp (no full log_softmax is kept); in bf16/fp16
+    logsumexp is not accurate enough, so take log_softmax of the block and gather from it.
     """
     if token_ids.shape != logits.shape[:-1]:
         raise ValueError(
             f"logprobs_from_logits: token_ids has shape {tuple(token_ids.shape)} but logits has "
             f"shape {tuple(logits.shape)}; token_ids must be logits.shape[:-1]"
         )
-    rows = []
-    for row_logits, row_ids in zip(logits, token_ids):
-        ids = row_ids.unsqueeze(-1)
-        if row_logits.dtype in (torch.float32, torch.float64):
-            chosen = row_logits.gather(-1, ids).squeeze(-1)
-            rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
+    step = _row_blocks(logits)
+    out = []
+    for block, ids in zip(logits.split(step), token_ids.split(step)):
+        ids = ids.unsqueeze(-1)
+        if block.dtype in (torch.float32, torch.float64):
+            out.append(block.gather(-1, ids).squeeze(-1) - torch.logsumexp(block, dim=-1))
         else:
-            rows.append(torch.log_softmax(row_logits, dim=-1).gather(-1, ids).squeeze(-1))
-    return torch.stack(rows)
+            out.append(torch.log_softmax(block, dim=-1).gather(-1, ids).squeeze(-1))
+    return torch.cat(out) if out else logits.new_zeros(logits.shape[:-1])

@@ -43,18 +43,30 @@ def parse_token_ids(text: str) -> tuple[int, ...]:
 
 def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
                      is_padding: Sequence[bool], log_probs: Sequence[torch.Tensor] | None) -> dict[str, list]:
-    """The generate op's per-sample output columns, one entry per row."""
-    out: dict[str, list] = {k: [] for k in GEN_COLUMNS}
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        seq = torch.cat([p, r]).long()
-        out["prompts"].append(p.long())
-        out["responses"].append(r.long())
-        out["response_mask"].append(torch.full((len(r),), 0 if is_padding[i] else 1, dtype=torch.long))
-        out["input_ids"].append(seq)
-        out["attention_mask"].append(torch.ones(len(seq), dtype=torch.long))
-        out["position_ids"].append(torch.arange(len(seq), dtype=torch.long))
-        out["rollout_log_probs"].append(log_probs[i].float() if log_probs is not None else torch.zeros(len(r)))
-    return out
+    """The generate op's per-sample output columns, one entry per row (views into one flat tensor
+    per column: a few concatenations and splits, no per-row allocations)."""
+    if not prompts:
+        return {k: [] for k in GEN_COLUMNS}
+    plen = [len(p) for p in prompts]
+    rlen = [len(r) for r in responses]
+    slen = [a + b for a, b in zip(plen, rlen)]
+    prompt_flat = torch.cat(list(prompts)).long()
+    response_flat = torch.cat(list(responses)).long()
+    seq_flat = torch.cat([t for pair in zip(prompts, responses) for t in pair]).long()
+    real = torch.tensor([0 if pad else 1 for pad in is_padding], dtype=torch.long)
+    starts = torch.tensor(slen, dtype=torch.long).cumsum(0) - torch.tensor(slen, dtype=torch.long)
+    positions = torch.arange(sum(slen), dtype=torch.long) - starts.repeat_interleave(torch.tensor(slen))
+    lp = (torch.cat([t.float().reshape(-1) for t in log_probs]) if log_probs is not None
+          else torch.zeros(sum(rlen)))
+    return {
+        "prompts": list(prompt_flat.split(plen)),
+        "responses": list(response_flat.split(rlen)),
+        "response_mask": list(real.repeat_interleave(torch.tensor(rlen)).split(rlen)),
+        "input_ids": list(seq_flat.split(slen)),
+        "attention_mask": list(torch.ones(sum(slen), dtype=torch.long).split(slen)),
+        "position_ids": list(positions.split(slen)),
+        "rollout_log_probs": list(lp.split(rlen)),
+    }
 
 
 def groups_of(is_padding: Sequence[bool], n: int) -> tuple[list[int], list[list[int]]]:

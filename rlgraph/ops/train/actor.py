@@ -31,7 +31,7 @@ from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits,
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
-from rlgraph.ops.train.sequences import pack, response_logits, split_rows
+from rlgraph.ops.train.sequences import repack, response_logits
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
 
 __all__ = ["ActorWorker", "StalenessError"]
@@ -186,8 +186,7 @@ class ActorWorker(TrainerMixin):
     @torch.no_grad()
     def _log_probs(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    ctx: Any, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        prompts, responses = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
-        packed = pack(prompts, responses, self.tokenizer.pad_token_id)
+        packed = repack(input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id)
         logits = response_logits(model, packed, self.temperature)
         logp = logprobs_from_logits(logits, packed.input_ids[:, packed.prompt_width:])
         ent = entropy_from_logits(logits) if with_entropy else None
@@ -232,8 +231,7 @@ class ActorWorker(TrainerMixin):
                      tis_cap: float, decoupled_cap: float, ctx: Any) -> dict[str, Any]:
         if self.rollout_engine is not None:
             self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
-        prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
-        packed = pack(prompts, resp, self.tokenizer.pad_token_id)
+        packed = repack(input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id)
         R = packed.response_width
         # padding rows have response_mask 0, and rows dropped this step (e.g. a failed reward) arrive
         # tagged as padding: no loss, no gradient, not in the token counts

@@ -16,7 +16,7 @@ from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import agg_loss, value_loss
 from rlgraph.ops.models import load_critic, load_tokenizer
 from rlgraph.ops.settings import ActorSettings, CriticSettings
-from rlgraph.ops.train.sequences import pack, split_rows
+from rlgraph.ops.train.sequences import repack
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
 
 __all__ = ["CriticWorker"]
@@ -43,8 +43,7 @@ class CriticWorker(TrainerMixin):
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        responses: torch.Tensor, response_mask: torch.Tensor, critic_weights: Any = None, *,
                        ctx: Any) -> dict[str, Any]:
-        prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
-        p = pack(prompts, resp, self.tokenizer.pad_token_id)
+        p = repack(input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id)
         values = _values(self.model, p.input_ids, p.attention_mask, p.position_ids, p.prompt_width, p.response_width)
         return {"values": values * p.response_mask}
 
@@ -53,8 +52,7 @@ class CriticWorker(TrainerMixin):
                       returns: torch.Tensor, *, lr: float, weight_decay: float, grad_clip: float,
                       lr_warmup_steps: int, backend: str, zero_stage: int, loss_agg_mode: str,
                       cliprange_value: float, ctx: Any) -> dict[str, Any]:
-        prompts, resp = split_rows(input_ids, attention_mask, ctx.lengths["response_len"])
-        p = pack(prompts, resp, self.tokenizer.pad_token_id)
+        p = repack(input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id)
         P, R = p.prompt_width, p.response_width
         mask = p.response_mask * response_mask[:, :R].to(p.response_mask.dtype) * kept_rows(ctx, p.response_mask.dtype)
         batch = {"input_ids": p.input_ids, "attention_mask": p.attention_mask, "position_ids": p.position_ids,

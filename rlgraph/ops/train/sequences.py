@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Packed", "split_rows", "pack", "response_logits"]
+__all__ = ["Packed", "split_rows", "pack", "repack", "response_logits"]
 
 
 class Packed(NamedTuple):
@@ -55,6 +55,31 @@ def pack(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad
     # positions count real tokens only, so left padding does not shift them
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return Packed(input_ids, attention_mask, position_ids, response_mask, P, R)
+
+
+def repack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_lengths: Sequence[int],
+           pad_id: int) -> Packed:
+    """`pack(*split_rows(...))` in one gather, without a loop over rows: right-padded
+    prompt+response rows (row i: its prompt, then its response, then padding) to the
+    left-padded-prompt, right-padded-response layout."""
+    b = input_ids.shape[0]
+    total = attention_mask.sum(dim=1).long()
+    r = torch.as_tensor(list(response_lengths), dtype=torch.long).reshape(b)
+    p = total - r
+    P = int(p.max()) if b else 0
+    R = int(r.max()) if b else 0
+    cols = torch.arange(P + R).unsqueeze(0)  # [1, P + R]
+    in_prompt = (cols < P) & (cols >= P - p.unsqueeze(1))
+    in_response = (cols >= P) & (cols < P + r.unsqueeze(1))
+    # where each output column reads from in the right-padded row
+    src = torch.where(cols < P, cols - (P - p.unsqueeze(1)), p.unsqueeze(1) + cols - P)
+    real = in_prompt | in_response
+    gathered = torch.gather(input_ids.long(), 1, src.clamp(min=0, max=max(input_ids.shape[1] - 1, 0)))
+    ids = torch.where(real, gathered, torch.full_like(gathered, pad_id))
+    mask = real.long()
+    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    response_mask = in_response[:, P:].long()
+    return Packed(ids, mask, position_ids, response_mask, P, R)
 
 
 def response_logits(model: torch.nn.Module, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
