@@ -415,12 +415,11 @@ class Fleet:
         try:
             self.plane.clear(partition)
         finally:
-            for ws in self.workers.values():
-                for w in ws:
-                    try:
-                        w.forget.remote(partition)
-                    except Exception:  # a dead actor: its memory went with it
-                        pass
+            for w in [w for ws in self.workers.values() for w in ws] + ([self.source] if self.source else []):
+                try:
+                    w.forget.remote(partition)
+                except Exception:  # a dead actor: its memory went with it
+                    pass
 
     def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> tuple[list[int], list[bool]]:
         """Have the source write a step's first columns; returns the rows' group ids and padding tags."""

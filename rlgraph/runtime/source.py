@@ -106,6 +106,11 @@ class SourceWorker:
         """Connect to the data plane (a source started before the plane was ready)."""
         self.client = handle.connect()
 
+    def forget(self, partition: str) -> None:
+        """The driver cleared `partition`: drop what the client remembers of it."""
+        if self.client is not None:
+            self.client.forget(partition)
+
     def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False
                 ) -> tuple[list[int], list[bool]]:
         size = int(self.plan.batch.batch_size)

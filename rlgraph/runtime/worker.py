@@ -261,6 +261,8 @@ class GroupWorker:
     def forget(self, partition: str) -> None:
         """The driver cleared `partition`: drop what this worker kept of it."""
         self.local.forget(partition)
+        if self.client is not None:
+            self.client.forget(partition)
 
     def _summaries(self, out: dict[str, Any], rows: tuple[int, ...], positions: Sequence[int],
                    is_padding: Sequence[bool], dropped: dict[int, Any]) -> dict[str, dict[int, float]]:

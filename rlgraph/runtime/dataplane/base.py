@@ -225,6 +225,9 @@ class DataPlaneClient(ABC):
         _count_bytes(sum(_nbytes(v) for v in out.values()))
         return out
 
+    def forget(self, partition: str) -> None:  # noqa: B027 - a client that remembers nothing
+        """`partition` was cleared: drop what this client remembers of it (row lookups)."""
+
     def close(self) -> None:  # noqa: B027 - a client without connections has nothing to do
         """Release this client's connections (sockets, threads). The data stays."""
 

@@ -320,6 +320,7 @@ class _TQClient(DataPlaneClient):
             self._client.close()
             raise DataPlaneError(f"could not connect to TransferQueue's storage: {e}") from e
         self._manager: _HomedStorageManager = self._client.storage_manager
+        self._rows: dict[str, dict[int, tuple[int, dict[str, Any]]]] = {}  # partition -> row -> (index, custom)
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
 
     def _run(self, coro: Awaitable[Any], what: str, nbytes: int = 0) -> Any:
@@ -327,33 +328,46 @@ class _TQClient(DataPlaneClient):
         return self._loop.run(coro, self._timeout + nbytes / 20e6, what, self._watch)
 
     def _meta(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...] = ()) -> BatchMeta:
-        """A TQ BatchMeta for `rows` of `partition`: their global indexes, looked up by key."""
-        found = self._run(
-            self._client.async_kv_retrieve_meta([str(r) for r in rows], partition, create=False),
-            f"look up rows of partition {partition!r}",
-        )
-        if found.size != len(rows):
-            known = {int(m["row"]) for m in found.custom_meta if "row" in m}
-            missing = [r for r in rows if r not in known]
-            raise DataPlaneError(
-                f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
-                f"{partition!r}; call create_partition with enough rows first"
+        """A TQ BatchMeta for `rows` of `partition`: their global indexes, looked up by key on the
+        controller the first time this client meets a row, then remembered until the partition is
+        forgotten (`forget`, sent when the driver clears it: a partition created again under the
+        same name may give its rows other indexes)."""
+        known = self._rows.setdefault(partition, {})
+        new = tuple(r for r in rows if r not in known)
+        if new:
+            found = self._run(
+                self._client.async_kv_retrieve_meta([str(r) for r in new], partition, create=False),
+                f"look up rows of partition {partition!r}",
             )
-        custom = list(found.custom_meta or ())
-        if len(custom) != len(rows):  # writing made-up metadata back would erase the rows' homes
-            raise DataPlaneError(f"TransferQueue returned metadata for {len(custom)} of {len(rows)} rows of "
-                                 f"partition {partition!r}; it was created by another client or changed since")
+            if found.size != len(new):
+                have = {int(m["row"]) for m in found.custom_meta if "row" in m}
+                missing = [r for r in new if r not in have]
+                raise DataPlaneError(
+                    f"rows {missing[:8]}{'...' if len(missing) > 8 else ''} are not in partition "
+                    f"{partition!r}; call create_partition with enough rows first"
+                )
+            custom = list(found.custom_meta or ())
+            if len(custom) != len(new):  # writing made-up metadata back would erase the rows' homes
+                raise DataPlaneError(f"TransferQueue returned metadata for {len(custom)} of {len(new)} rows of "
+                                     f"partition {partition!r}; it was created by another client or changed since")
+            known.update(zip(new, zip(found.global_indexes, custom)))
         return BatchMeta(
-            global_indexes=list(found.global_indexes),
+            global_indexes=[known[r][0] for r in rows],
             partition_ids=[partition] * len(rows),
             field_schema={c: {} for c in columns},
-            custom_meta=custom,
+            custom_meta=[known[r][1] for r in rows],
         )
+
+    def forget(self, partition: str) -> None:
+        self._rows.pop(partition, None)
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
         data = TensorDict({name: _to_tq(col) for name, col in columns.items()}, batch_size=len(rows))
-        self._run(self._client.async_put(data, metadata=meta),
+        # the storage manager's put, without TQ's client wrapper: that one also writes the rows' custom
+        # metadata back to the controller (a round trip per put), and rlgraph never changes it after
+        # create_partition; readiness is the scheduler's, not the controller's
+        self._run(self._client.storage_manager.put_data(data, meta),
                   f"put columns {sorted(columns)} to partition {partition!r}",
                   nbytes=sum(_nbytes(col.value) for col in columns.values()))
         self._count_locality(meta, [col.value for col in columns.values()])
@@ -485,6 +499,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         return tuple(self._unit_nodes)
 
     def clear(self, partition: str) -> None:
+        self.forget(partition)
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:

@@ -127,6 +127,30 @@ def test_clear_drops_rows_and_data(plane):
 
 
 @pytest.mark.ray
+def test_a_client_forgets_the_rows_of_a_cleared_partition(plane):
+    # a worker's client remembers where a partition's rows live; the same name created again
+    # after a clear (a replayed step) puts them elsewhere, and the client is told to forget
+    client = plane.handle().connect()
+    try:
+        p, other = _part(), _part()
+        plane.create_partition(p, 3)
+        client.put(p, [0, 1, 2], {"x": torch.tensor([1.0, 2.0, 3.0])})
+        assert _same(client.get(p, (0, 1, 2), ["x"])["x"], torch.tensor([1.0, 2.0, 3.0]))
+        plane.clear(p)
+        client.forget(p)
+        plane.create_partition(other, 4)  # takes the freed indexes first
+        plane.create_partition(p, 3)
+        client.put(other, [0, 1, 2, 3], {"x": torch.zeros(4)})
+        client.put(p, [0, 1, 2], {"x": torch.tensor([4.0, 5.0, 6.0])})
+        assert _same(client.get(p, (0, 1, 2), ["x"])["x"], torch.tensor([4.0, 5.0, 6.0]))
+        assert _same(plane.get(other, (0, 1, 2, 3), ["x"])["x"], torch.zeros(4))
+        plane.clear(p)
+        plane.clear(other)
+    finally:
+        client.close()
+
+
+@pytest.mark.ray
 def test_misuse_raises_typed_errors(plane):
     p = _part()
     plane.create_partition(p, 3)
