@@ -14,12 +14,15 @@ Settings matched: prompts per step (and the mini-batch: the whole batch, one opt
 training step), samples per prompt (8), response length (4 tokens),
 temperature 1, learning rate 3e-4 constant, AdamW without weight decay, gradient clip 1, PPO
 clip 0.2, the k3 KL loss with coefficient 0.001, token-mean
-loss over the batch, GRPO's group normalisation, the seed. Not matched exactly (what each does):
-- old log-probs: rlgraph runs an old_logprob pass; TRL takes them from the update's own forward
-  (`num_iterations=1`), as issue 25 item 2 asks rlgraph to do at compile time;
+loss over the batch, GRPO's group normalisation, the seed; old log-probs from the update's own
+forward in both (TRL: `num_iterations=1`; rlgraph's compiler leaves the old_logprob pass out
+when the update makes one optimizer step per step). Not matched exactly (what each does):
 - the prompts' order: each shuffles the same 1,024 generated rows with its own sampler;
-- threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor gets
-  the threads Ray gives it (1).
+- threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor has
+  the torch threads of its worker group's CPUs (1 in the example: with two, on these two cores
+  shared with the reward and advantage workers and the data plane, its step was slower);
+- processes: rlgraph runs the actor, the reward and advantage workers, the data source and
+  TransferQueue's controller and storage unit as processes of their own; TRL is one process.
 
     .venv/bin/python -m benchmarks.run trl_peer     # needs pip install 'rlgraph[bench]'
 """
