@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Packed", "split_rows", "pack", "repack", "response_logits"]
+__all__ = ["Packed", "pack", "repack", "response_logits"]
 
 
 class Packed(NamedTuple):
@@ -25,18 +25,6 @@ class Packed(NamedTuple):
     response_mask: torch.Tensor  # [b, R] 1 on real response tokens
     prompt_width: int  # P
     response_width: int  # R
-
-
-def split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               response_lengths: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Cut right-padded prompt+response rows back into their prompts and responses."""
-    prompts, responses = [], []
-    for i, r in enumerate(response_lengths):
-        length = int(attention_mask[i].sum())
-        p = length - int(r)
-        prompts.append(input_ids[i, :p])
-        responses.append(input_ids[i, p:length])
-    return prompts, responses
 
 
 def pack(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad_id: int) -> Packed:
@@ -59,9 +47,8 @@ def pack(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad
 
 def repack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_lengths: Sequence[int],
            pad_id: int) -> Packed:
-    """`pack(*split_rows(...))` in one gather, without a loop over rows: right-padded
-    prompt+response rows (row i: its prompt, then its response, then padding) to the
-    left-padded-prompt, right-padded-response layout."""
+    """`pack` of the prompts and responses cut out of right-padded prompt+response rows (row i:
+    its prompt, then its response, then padding), in one gather, without a loop over rows."""
     b = input_ids.shape[0]
     total = attention_mask.sum(dim=1).long()
     r = torch.as_tensor(list(response_lengths), dtype=torch.long).reshape(b)
