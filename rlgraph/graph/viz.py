@@ -147,6 +147,8 @@ def _op_label(plan: Plan, o: OpPlan) -> str:
         ))
     if o.skip_before_step:
         lines.append(_small(f"skipped while step < {o.skip_before_step}"))
+    if plan.batches_calls(o.name):
+        lines.append(_small("ready chunks batched: one call per rank"))
     rf = plan.refill
     if rf is not None and o.name == rf.op:
         lines.append(_small(f"refill: rounds until {plan.batch.batch_size} groups are kept (at most "
@@ -214,6 +216,9 @@ def _title(plan: Plan, colours: Mapping[str, str]) -> str:
         + (_small(" · dotted: dynamic sampling's refill", _REFILL) if plan.refill is not None else "")
         + "</TD></TR>"
     )
+    for op, why in plan.reused.items():  # ops the compiler left out: another op's own forward gives their result
+        rows.append(f'<TR><TD COLSPAN="2" ALIGN="LEFT">'
+                    f"{_small(f'left out: {op} ({why.split(chr(59))[0]})', _PRUNED)}</TD></TR>")
     groups = {g.name: g for g in plan.groups}
     placement = {p.name: p.placement for p in plan.pools}
     for name in sorted(colours):

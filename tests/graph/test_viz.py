@@ -131,6 +131,17 @@ def test_pruned_outputs_are_listed_greyed(svgs):
     assert len(pruned) == 1 and pruned[0].get("fill") == viz._PRUNED
 
 
+def test_batched_ops_and_left_out_forwards_are_drawn():
+    plan = compile_pipeline(_pipeline("grpo"), ["actor.mini_batch_size=8"])  # one optimizer step per step
+    root = ET.fromstring(viz.render(plan, "svg"))
+    nodes = _groups(root, "node")
+    assert "old_logprob" not in nodes
+    batched = {name for name, g in nodes.items() if "ready chunks batched: one call per rank" in _texts(g)}
+    assert batched == {o.name for o in plan.ops if plan.batches_calls(o.name)} == {"reward", "ref", "advantage"}
+    title = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "left out: old_logprob (its 'old_log_probs' is update_actor's own first forward" in title
+
+
 # -- edges ---------------------------------------------------------------------------------------
 
 
