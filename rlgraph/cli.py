@@ -149,8 +149,8 @@ def _padding_line(plan: Plan) -> str:
     line = (f"padded batch {b.padded_batch} samples: {b.batch_size} prompts x n={b.n} = {b.global_batch}, "
             f"multiple {b.multiple}, {b.pad_rows} pad rows")
     warning = show.padding_warning(plan)
-    line += "".join(f"\nleft out {op}: {why.split(':')[0]} (rlgraph describe says why)" for op in plan.reused
-                    for why in [plan.reused[op]])
+    line += "".join(f"\nleft out {op}: {why.split(':')[0]} (rlgraph describe says why)"
+                    for op, why in plan.reused.items())
     return f"{line}\n{warning}" if warning else line
 
 

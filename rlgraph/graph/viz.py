@@ -217,8 +217,8 @@ def _title(plan: Plan, colours: Mapping[str, str]) -> str:
         + "</TD></TR>"
     )
     for op, why in plan.reused.items():  # ops the compiler left out: another op's own forward gives their result
-        rows.append(f'<TR><TD COLSPAN="2" ALIGN="LEFT">'
-                    f"{_small(f'left out: {op} ({why.split(chr(59))[0]})', _PRUNED)}</TD></TR>")
+        short = why.split(";")[0]
+        rows.append(f'<TR><TD COLSPAN="2" ALIGN="LEFT">{_small(f"left out: {op} ({short})", _PRUNED)}</TD></TR>')
     groups = {g.name: g for g in plan.groups}
     placement = {p.name: p.placement for p in plan.pools}
     for name in sorted(colours):

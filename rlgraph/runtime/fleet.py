@@ -104,15 +104,15 @@ class Fleet:
         self._on_phase(f"Ray: {how}, {len(self.nodes)} node(s), {cpus:g} CPUs ({time.time() - t0:.1f}s)")
         # the data plane starts on a thread while the workers start and load their models; they connect
         # to it once both are up (its actors' CPUs are reserved by the plan beside the pools')
-        plane_job = None
+        starter = None
         if self.plane is None:
-            plane_job = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
-            self._plane_job = plane_job.submit(self._timed_plane_start)
+            starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
+            self._plane_job = starter.submit(self._timed_plane_start)
         try:
             self._start_workers()
         finally:
-            if plane_job is not None:
-                plane_job.shutdown(wait=True)  # on a failure too: close() then stops what it started
+            if starter is not None:
+                starter.shutdown(wait=True)  # on a failure too: close() then stops what it started
 
     def _start_workers(self) -> None:
         """Placement groups, the worker actors and the source; their models loaded; connected to the
@@ -180,9 +180,9 @@ class Fleet:
         assert units is not None, "the compiler resolves dataplane.storage_units (one per node) into every plan"
         return units
 
-    def _create_group(self, name: str, handle: Any = ...) -> None:
+    def _create_group(self, name: str, handle: Any) -> None:
         """Start the actors of worker group `name` (not yet set up) on its pool's bundles, connected
-        to the data plane through `handle` (default: the running plane's; None: connect later)."""
+        to the data plane through `handle` (None: they connect later)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -200,17 +200,16 @@ class Fleet:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pgs[g.pool], placement_group_bundle_index=r),
                 max_restarts=0,  # restarts are the runner's: it restores state and re-runs the work
-            ).remote(self._plan_json, name, r, g.dp, self.plane.handle() if handle is ... else handle)
+            ).remote(self._plan_json, name, r, g.dp, handle)
             for r in range(g.dp)
         ]
 
-    def _create_source(self, handle: Any = ...) -> None:
+    def _create_source(self, handle: Any) -> None:
         import ray
 
         from rlgraph.runtime.source import SourceWorker
 
-        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(
-            self._plan_json, self.plane.handle() if handle is ... else handle)
+        self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
 
     def _rendezvous(self, names: list[str]) -> list[Any]:
         """Rank 0's address of each group in `names` (once its actors have started): every rank of
@@ -253,7 +252,7 @@ class Fleet:
         for g in names:
             for w in self.workers[g]:
                 ray.kill(w, no_restart=True)
-            self._create_group(g)
+            self._create_group(g, self.plane.handle())
         if names:
             self._setup_groups(names)
         return sum(len(self.workers[g]) for g in names)
@@ -288,7 +287,7 @@ class Fleet:
         import ray
 
         ray.kill(self.source, no_restart=True)
-        self._create_source()
+        self._create_source(self.plane.handle())
 
     def dead(self) -> set[str]:
         """Groups with an actor that no longer answers, plus `SOURCE` if the data source died."""

@@ -92,6 +92,13 @@ class _ThreadPool:
                 self.started += 1
                 threading.Thread(target=self._serve, daemon=True, name=f"reward-{self.started}").start()
 
+    def stop(self) -> None:
+        """Let every serving thread end once it is idle (one stop mark each on the queue)."""
+        with self.lock:
+            for _ in range(self.serving):
+                self.tasks.put(None)
+            self.serving = 0
+
     def replace(self) -> None:
         with self.lock:
             self.serving -= 1
@@ -99,7 +106,10 @@ class _ThreadPool:
 
     def _serve(self) -> None:
         while True:
-            batch, i, kwargs = self.tasks.get()
+            task = self.tasks.get()
+            if task is None:  # stopped
+                return
+            batch, i, kwargs = task
             t0 = time.monotonic()
             with batch.cond:
                 batch.started[i] = t0
@@ -166,6 +176,9 @@ class RewardScorer:
         return [self._finish(i, calls[i], r) for i, r in enumerate(raw)]
 
     def close(self) -> None:
+        if self._threads is not None:
+            self._threads.stop()
+            self._threads = None
         if self._pool is not None:
             self._pool.stop()
             self._pool.join(timeout=10)
