@@ -54,7 +54,7 @@ pipeline = Pipeline(
     cluster=Cluster(num_nodes=1, cpus_per_node=8, gpus_per_node=0),
     config={
         "data": {"batch_size": 16, "task": "add"},
-        "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0, "micro_batch_size": 8},
+        "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0},
         "overlong": {"buffer_len": 2, "penalty_factor": 0.5},
         "filter_groups": {"max_rounds": 3, "on_exhaust": "train"},
         "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 16, "micro_batch_size": 64,

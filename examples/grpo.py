@@ -47,7 +47,7 @@ pipeline = Pipeline(
     cluster=Cluster(num_nodes=1, cpus_per_node=8, gpus_per_node=0),
     config={
         "data": {"batch_size": 16, "task": "add"},
-        "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0, "micro_batch_size": 8},
+        "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0},
         "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 16, "micro_batch_size": 64,
                   "use_kl_loss": True, "kl_loss_coef": 0.001},
         "old_logprob": {"micro_batch_size": 64},

@@ -87,7 +87,7 @@ pipeline = Pipeline(
     cluster=Cluster(num_nodes=1, cpus_per_node=8, gpus_per_node=0),
     config={
         "data": {"batch_size": 32, "task": "add"},
-        "rollout": {"n": 4, "max_new_tokens": 4, "micro_batch_size": 8},
+        "rollout": {"n": 4, "max_new_tokens": 4},
         "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 32, "micro_batch_size": 64},
         "algorithm": {"use_kl_in_reward": True, "kl_coef": 0.001},
         "critic": {"lr": 5e-4, "mini_batch_size": 32, "micro_batch_size": 64},

@@ -31,6 +31,7 @@ def section() -> str:
     specs = [("generate", stages.generate()), ("reward", stages.reward()), ("reward_model", stages.reward_model()),
              ('combine_rewards, with weights {"rule_scores": 1.0, "rm_scores": 0.5}',
               stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5})),
+             ("overlong_penalty", stages.overlong_penalty()), ("filter_groups", stages.filter_groups()),
              ("old_logprob", stages.old_logprob()), ("ref", stages.ref()), ("values", stages.values()),
              ("advantage", stages.advantage("gae")), ("update_critic", stages.update_critic()),
              ("update_actor", stages.update_actor())]

@@ -107,6 +107,6 @@ def op_batching(g: BuiltGraph, o: OpSpec, plan: BatchPlan) -> OpBatching:
         # a group op's micro-batch counts groups (prompts); each padding row is a group of its own
         groups_per_rank = -(-(plan.batch_size + plan.pad_rows) // dp)
         return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro, per_rank=per,
-                          micro_batches=-(-groups_per_rank // micro) if micro else groups_per_rank)
+                          micro_batches=-(-groups_per_rank // micro) if micro else None if micro == 0 else groups_per_rank)
     return OpBatching(dp=dp, samples_per_rank=per_rank, micro_batch_size=micro, per_rank=per,
                       micro_batches=-(-per_rank // micro) if micro else None)

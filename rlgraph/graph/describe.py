@@ -63,7 +63,8 @@ def _batching(b: OpBatching, granularity: str = "sample") -> str:
     micro = (f" in {b.micro_batches} micro-batch{plural} of <={b.micro_batch_size}{unit}"
              if b.micro_batch_size else "")
     if b.per_rank:  # one call per rank; the body batches inside it
-        inside = f", inside it batches of <={b.micro_batch_size}{unit}" if b.micro_batch_size else ""
+        inside = (f", inside it batches of <={b.micro_batch_size}{unit}" if b.micro_batch_size
+                  else ", inside it batches sized by a token budget" if b.micro_batch_size == 0 else "")
         return f"one call per rank of {b.samples_per_rank}{inside}"
     if b.mini_batch_samples is None:
         return f"per rank {b.samples_per_rank}{micro}"

@@ -105,9 +105,12 @@ class RolloutSettings(Section):
     """response length limit in tokens"""
     stop_token_ids: str = ""
     """token ids that end a response besides EOS, comma-separated (e.g. '7,9')"""
-    micro_batch_size: int = Field(16, ge=1)
-    """hf: prompts per transformers generate call (each call's samples are handed on when it ends); vllm:
-    unused, the engine batches continuously"""
+    micro_batch_size: int = Field(0, ge=0)
+    """hf: prompts per transformers generate call (each call's samples are handed on when it ends); 0: as many
+    as fit rollout.max_batch_tokens. vllm: unused, the engine batches continuously"""
+    max_batch_tokens: int = Field(16384, ge=1)
+    """hf with micro_batch_size=0: a generate call takes prompts while its samples x (longest prompt +
+    max_new_tokens) stay within this many tokens (at least one prompt a call)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", json_schema_extra=SETUP)
     """vllm: weights' dtype (auto: the model's on a GPU, float32 on CPU)"""
     max_model_len: int = Field(0, ge=0, json_schema_extra=SETUP)

@@ -97,7 +97,7 @@ def test_a_group_that_only_runs_the_gated_update_is_gated_too(ppo) -> None:
 
 def test_even_split_over_ranks(ppo) -> None:
     plan = compile_pipeline(ppo, ["data.batch_size=45", "rollout.n=8", "groups.actor.dp=2",
-                                  "actor.mini_batch_size=15", "critic.mini_batch_size=15"])
+                                  "actor.mini_batch_size=15", "critic.mini_batch_size=15", "rollout.micro_batch_size=16"])
     actor = plan.op("update_actor").batching
     # padded 360 over dp 2 = 180 per rank; 360 / 120 = 3 mini-batches of 120 = 60 per rank;
     # micro 8: ceil(60 / 8) = 8 micro-batches; 3 mini-batches x 1 epoch = 3 updates
@@ -122,7 +122,8 @@ def test_even_split_over_ranks(ppo) -> None:
 def test_uneven_dp_share_is_recorded(ppo) -> None:
     plan = compile_pipeline(ppo, ["data.batch_size=10", "rollout.n=3", "groups.actor.dp=4",
                                   "actor.mini_batch_size=5", "critic.mini_batch_size=5", "actor.ppo_epochs=2",
-                                  "actor.micro_batch_size=3", "old_logprob.micro_batch_size=4", *BIG])
+                                  "actor.micro_batch_size=3", "old_logprob.micro_batch_size=4",
+                                  "rollout.micro_batch_size=16", *BIG])
     actor = plan.op("update_actor").batching
     # padded 60 (see above); per rank 60 / 4 = 15; mini-batch 5 x 3 = 15 samples over 4 ranks:
     # 15 // 4 = 3 and ceil(15 / 4) = 4 -> shares [3, 4]; 60 / 15 = 4 mini-batches x 2 epochs = 8 updates;
@@ -141,6 +142,13 @@ def test_uneven_dp_share_is_recorded(ppo) -> None:
     # the advantage op declares no micro-batch
     adv = plan.op("advantage").batching
     assert (adv.samples_per_rank, adv.micro_batch_size, adv.micro_batches) == (60, None, None)
+
+
+def test_generation_sized_by_a_token_budget_has_no_fixed_micro_batch_count(ppo) -> None:
+    """rollout.micro_batch_size=0 (the default): the count depends on the prompts' lengths, known
+    only when the call runs, so the plan does not claim one."""
+    generate = compile_pipeline(ppo, ["data.batch_size=45", "rollout.n=8"]).op("generate").batching
+    assert (generate.micro_batch_size, generate.micro_batches) == (0, None)
 
 
 def test_op_batching_is_a_pure_function_of_the_graph(ppo) -> None:

@@ -101,23 +101,46 @@ def _padding_part(prompts: Sequence[torch.Tensor], padding: list[int], is_paddin
     return _part(padding, prompts, one, is_padding, {i: torch.zeros(1) for i in padding} if logprobs else None)
 
 
+def micro_batches(groups: Sequence[Sequence[int]], prompts: Sequence[torch.Tensor], size: int, max_tokens: int,
+                  max_new_tokens: int) -> list[list[Sequence[int]]]:
+    """`groups` in order, `size` a call; with `size` 0, each call takes groups while its rows x (its
+    longest prompt + `max_new_tokens`) stay within `max_tokens` (one group at least): the padded
+    batch transformers computes, sized for the engine rather than a fixed count."""
+    if size > 0:
+        return [list(groups[i:i + size]) for i in range(0, len(groups), size)]
+    out: list[list[Sequence[int]]] = []
+    batch: list[Sequence[int]] = []
+    rows = width = 0
+    for g in groups:
+        w = max(width, max(len(prompts[i]) for i in g))
+        if batch and (rows + len(g)) * (w + max_new_tokens) > max_tokens:
+            out.append(batch)
+            batch, rows, w = [], 0, max(len(prompts[i]) for i in g)
+        batch.append(g)
+        rows += len(g)
+        width = w
+    if batch:
+        out.append(batch)
+    return out
+
+
 @torch.no_grad()
 def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], *, n: int,
              seed: int, micro_batch_size: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-             stop_token_ids: Sequence[int] = (), logprobs: bool = False,
+             stop_token_ids: Sequence[int] = (), logprobs: bool = False, max_batch_tokens: int = 16384,
              refresh: Callable[[], bool] | None = None) -> Iterator[Part]:
-    """transformers ``generate`` on micro-batches of `micro_batch_size` groups, a part per micro-batch.
-    `refresh` (partial rollout) is called before each micro-batch; it may change `model`'s weights."""
+    """transformers ``generate`` on micro-batches of `micro_batch_size` groups (0: as many as
+    `micro_batches` fits in `max_batch_tokens`), a part per micro-batch. `refresh` (partial rollout) is
+    called before each micro-batch; it may change `model`'s weights."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     stop = {eos, *stop_token_ids}
     padding, groups = groups_of(is_padding, n)
     if padding:
         yield _padding_part(prompts, padding, is_padding, eos, logprobs)
-    size = max(1, micro_batch_size)
-    for k, start in enumerate(range(0, len(groups), size)):
+    for k, batch in enumerate(micro_batches(groups, prompts, micro_batch_size, max_batch_tokens, max_new_tokens)):
         if refresh is not None:
             refresh()
-        rows = [i for g in groups[start:start + size] for i in g]
+        rows = [i for g in batch for i in g]
         width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)

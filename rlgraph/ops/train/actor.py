@@ -120,7 +120,8 @@ class ActorWorker(TrainerMixin):
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: torch.Tensor, policy_weights: Mapping[str, Any] | None = None, *,
                  temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_token_ids: str,
-                 micro_batch_size: int, partial: bool = False, ctx: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
+                 micro_batch_size: int, max_batch_tokens: int = 16384, partial: bool = False,
+                 ctx: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
         """All of this rank's prompts; yields each finished part (a group on vLLM, a micro-batch on hf).
         With `partial`, newer policy weights that reach this worker while it generates are loaded at
         once (vLLM: between engine steps; hf: between micro-batches)."""
@@ -149,7 +150,7 @@ class ActorWorker(TrainerMixin):
                                refresh=refresh if partial else None, **sampling)
         else:
             parts = hf_parts(self.model, self.tokenizer, prompts, ctx.is_padding, micro_batch_size=micro_batch_size,
-                             refresh=refresh if partial else None, **sampling)
+                             max_batch_tokens=max_batch_tokens, refresh=refresh if partial else None, **sampling)
         tokens = n_parts = spanning = real = 0
         for rows, cols in parts:
             # the policy version of each response's first and last token (vLLM labels every token)

@@ -43,6 +43,7 @@ import concurrent.futures
 import os
 import threading
 import uuid
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
@@ -52,9 +53,8 @@ os.environ.setdefault("TQ_NUM_THREADS", "2")
 
 import ray  # noqa: E402
 import ray.exceptions  # noqa: E402
-import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
-from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 from transfer_queue import BatchMeta  # noqa: E402
 from transfer_queue.client import AsyncTransferQueueClient  # noqa: E402
 from transfer_queue.storage.managers.base import StorageManagerFactory  # noqa: E402
@@ -63,6 +63,7 @@ from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E4
     RoutingGroup,
 )
 
+from rlgraph.runtime.dataplane import cells  # noqa: E402
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
     DataPlane,
@@ -71,11 +72,8 @@ from rlgraph.runtime.dataplane.base import (  # noqa: E402
     DataPlaneError,
     DataPlaneHandle,
     _Column,
-    _nbytes,
-    assemble_rows,
     count_locality,
     dead_actors,
-    row_nbytes,
 )
 
 __all__ = [
@@ -207,6 +205,42 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         self._learn(metadata)
         await super().clear_data(metadata)
 
+    async def put_cells(self, metadata: BatchMeta, cells: dict[str, list[bytes]]) -> None:
+        """Store encoded cells (`rlgraph.runtime.dataplane.cells`), each row on its home unit.
+
+        TQ's own ``put_data`` takes a TensorDict and then tells the controller which fields each
+        row now has (a round trip per put). rlgraph does not read the controller's production
+        status (its scheduler knows what is ready), and a clear takes every row of the partition
+        from the controller's key table whatever was written, so only the units are sent to."""
+        self._learn(metadata)
+        routing = self._group_by_hash(metadata.global_indexes)
+        tasks = []
+        for unit, group in routing.items():
+            data = cells if len(routing) == 1 else {f: [v[p] for p in group.batch_positions] for f, v in cells.items()}
+            tasks.append(self._request_with_retry(
+                "put", unit, f"samples={len(group.global_indexes)} fields={list(cells)}",
+                partial(self._put_to_single_storage_unit, group.global_indexes, data, target_storage_unit=unit)))
+        await _all(tasks)
+
+    async def get_cells(self, metadata: BatchMeta, fields: list[str]) -> dict[str, list[Any]]:
+        """The stored cells of `fields` for the rows of `metadata`, in its row order."""
+        self._learn(metadata)
+        routing = self._group_by_hash(metadata.global_indexes)
+        results = await _all([
+            self._request_with_retry(
+                "get", unit, f"samples={len(group.global_indexes)} fields={fields}",
+                partial(self._get_from_single_storage_unit, group.global_indexes, fields, target_storage_unit=unit))
+            for unit, group in routing.items()])
+        if len(routing) == 1:
+            return {f: list(results[0][1][f]) for f in fields}
+        out: dict[str, list[Any]] = {f: [None] * len(metadata.global_indexes) for f in fields}
+        for group, (_, data) in zip(routing.values(), results):
+            for f in fields:
+                column, values = out[f], data[f]
+                for i, p in enumerate(group.batch_positions):
+                    column[p] = values[i]
+        return out
+
     def _group_by_hash(self, global_indexes: list[int]) -> dict[str, RoutingGroup]:
         gis: dict[str, list[int]] = {}
         pos: dict[str, list[int]] = {}
@@ -215,6 +249,16 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
             gis.setdefault(key, []).append(g)
             pos.setdefault(key, []).append(p)
         return {key: RoutingGroup(gis[key], pos[key]) for key in gis}
+
+
+async def _all(requests: list[Awaitable[Any]]) -> list[Any]:
+    """The results of `requests` run together; the first error is raised once all have ended, so
+    none is left running on its socket (a request dropped mid-way breaks TQ's socket pool)."""
+    results = await asyncio.gather(*requests, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 # --------------------------------------------------------------------------- client
@@ -247,32 +291,6 @@ class _Loop:
         self.thread.join(timeout=5.0)
         if not self.thread.is_alive():
             self.loop.close()
-
-
-def _to_tq(col: _Column) -> Any:
-    if col.kind == "dense":
-        return col.value
-    if col.kind == "ragged":
-        try:
-            return torch.nested.as_nested_tensor(col.value, layout=torch.jagged)
-        except (RuntimeError, TypeError, ValueError):
-            return torch.nested.as_nested_tensor(col.value, layout=torch.strided)
-    return NonTensorStack(*col.value)
-
-
-def _from_tq(value: Any) -> ColumnData:
-    if isinstance(value, (NonTensorStack, NonTensorData)):
-        rows = value.tolist()
-        return list(rows) if isinstance(value, NonTensorStack) else [rows]
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        if value.layout == torch.jagged and value.dim() == 2:
-            lengths = value.offsets().diff()
-            if bool((lengths == lengths[0]).all()):  # 1-D rows of one length: dense
-                return value.values().view(value.size(0), int(lengths[0]))
-        return assemble_rows(value.unbind())
-    if isinstance(value, torch.Tensor):
-        return value  # TQ stacks per-row scalars densely
-    return assemble_rows(list(value))
 
 
 def _actor_nodes(actors: list[Any]) -> tuple[str, ...]:
@@ -363,24 +381,17 @@ class _TQClient(DataPlaneClient):
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
-        data = TensorDict({name: _to_tq(col) for name, col in columns.items()}, batch_size=len(rows))
-        # the storage manager's put, without TQ's client wrapper: that one also writes the rows' custom
-        # metadata back to the controller (a round trip per put), and rlgraph never changes it after
-        # create_partition; readiness is the scheduler's, not the controller's
-        self._run(self._client.storage_manager.put_data(data, meta),
-                  f"put columns {sorted(columns)} to partition {partition!r}",
-                  nbytes=sum(_nbytes(col.value) for col in columns.values()))
-        self._count_locality(meta, [col.value for col in columns.values()])
+        encoded = {name: cells.encode(col) for name, col in columns.items()}
+        self._run(self._manager.put_cells(meta, encoded), f"put columns {sorted(columns)} to partition {partition!r}",
+                  nbytes=sum(len(c) for column in encoded.values() for c in column))
+        self._count_locality(meta, encoded)
 
-    def _count_locality(self, meta: BatchMeta, values: list[ColumnData]) -> None:
+    def _count_locality(self, meta: BatchMeta, encoded: dict[str, list[Any]]) -> None:
         """Count each row's bytes as local or cross-node by the node of the unit that stores it."""
         if not self._unit_nodes or not self._node:
             return
         units = len(self._unit_nodes)
-        per_row = [0] * len(meta.global_indexes)
-        for value in values:
-            for i, n in enumerate(row_nbytes(value, len(per_row))):
-                per_row[i] += n
+        per_row = [sum(sizes) for sizes in zip(*(cells.payload_nbytes(c) for c in encoded.values()))]
         local = sum(n for g, n in zip(meta.global_indexes, per_row)
                     if self._unit_nodes[self._manager.unit_of(g) % units] == self._node)
         count_locality(local, sum(per_row) - local)
@@ -388,8 +399,8 @@ class _TQClient(DataPlaneClient):
     def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
         meta = self._meta(partition, rows, columns)
         try:
-            data = self._run(self._client.async_get_data(meta),
-                             f"get columns {list(columns)} of partition {partition!r}")
+            got = self._run(self._manager.get_cells(meta, list(columns)),
+                            f"get columns {list(columns)} of partition {partition!r}")
         except DataPlaneError:
             raise
         except Exception as e:  # TQ raises StorageKeyNotFoundError / RuntimeError for missing cells
@@ -398,9 +409,8 @@ class _TQClient(DataPlaneClient):
                 f"never written for some of rows {list(rows)[:8]}; get only what an op upstream has put. "
                 f"TransferQueue said: {e}"
             ) from None
-        out = {c: _from_tq(data.get(c)) for c in columns}
-        self._count_locality(meta, list(out.values()))
-        return out
+        self._count_locality(meta, got)
+        return {c: cells.decode(got[c]) for c in columns}
 
     def close(self) -> None:
         if self._loop is None:

@@ -1,0 +1,101 @@
+"""The TransferQueue plane's cell codec: every column kind survives encode -> decode exactly,
+and decode gives what `assemble_rows` gives for the same rows (the rule both backends share)."""
+
+import pytest
+import torch
+
+from rlgraph.runtime.dataplane import cells
+from rlgraph.runtime.dataplane.base import DataPlaneError, _normalize, assemble_rows
+
+
+def _round_trip(value, rows):
+    col = _normalize("c", value, rows)
+    encoded = cells.encode(col)
+    assert len(encoded) == rows and all(type(c) is bytes for c in encoded)
+    return encoded, cells.decode(encoded)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    else:
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b):
+            if isinstance(x, torch.Tensor):
+                _same(x, y)
+            else:
+                assert x == y and type(x) is type(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16,
+                                   torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn])
+def test_dense_columns_of_every_dtype_come_back_dense_and_equal(dtype):
+    value = (torch.arange(24).reshape(6, 2, 2) % 3).to(dtype)
+    _, back = _round_trip(value, 6)
+    _same(value, back)
+    _, back = _round_trip(value[:, 0, 0], 6)  # one value a row
+    _same(value[:, 0, 0], back)
+
+
+def test_ragged_rows_come_back_as_the_same_per_row_tensors():
+    rows = [torch.arange(n, dtype=torch.int64) for n in (3, 1, 0, 5)]
+    _, back = _round_trip(rows, 4)
+    _same(rows, back)
+    grid = [torch.randn(n, 3) for n in (2, 4, 1)]  # rows of two dimensions
+    _, back = _round_trip(grid, 3)
+    _same(grid, back)
+
+
+def test_rows_of_several_puts_follow_the_assemble_rule():
+    """Cells written by different calls meet in one get: one shape -> dense, else a list, and
+    rows of different dtypes each keep their own."""
+    a = cells.encode(_normalize("c", torch.ones(2, 3), 2))
+    b = cells.encode(_normalize("c", torch.zeros(2, 3), 2))
+    c = cells.encode(_normalize("c", torch.zeros(1, 4), 1))
+    d = cells.encode(_normalize("c", torch.zeros(1, 3, dtype=torch.int64), 1))
+    for parts in ([a, b], [a, c], [a, d]):
+        got = cells.decode([x for p in parts for x in p])
+        want = assemble_rows([cells.decode([x])[0] for p in parts for x in p])
+        _same(want, got)
+    assert isinstance(cells.decode(a + b), torch.Tensor)
+    assert isinstance(cells.decode(a + c), list)
+
+
+def test_strings_and_objects_keep_their_values_and_types():
+    values = ["3+4=", "", "ünï", {"ground_truth": "7", "n": [1, 2.5, None]}, [1, "a"], None, 3.5, 7, True, b"raw"]
+    encoded, back = _round_trip(values, len(values))
+    assert back == values and [type(v) for v in back] == [type(v) for v in values]
+    assert encoded[0] == b"s3+4="
+    _, back = _round_trip([(1, 2), {1: "a"}], 2)  # JSON's forms: a tuple is a list, keys are strings
+    assert back == [[1, 2], {"1": "a"}]
+
+
+def test_objects_are_never_unpickled_and_code_objects_are_refused():
+    """A cell is data: an object that only pickle could carry is an error at the put, naming what
+    goes instead, and no decode path runs an unpickler."""
+    with pytest.raises(DataPlaneError, match="object.*cannot go through the data plane"):
+        cells.encode(_normalize("c", [object()], 1))
+    import pickle
+
+    with pytest.raises(DataPlaneError):  # a pickle written by someone else is not a cell
+        cells.decode([b"p" + pickle.dumps({"a": 1})])
+
+
+def test_decoded_tensors_are_writable_and_own_their_memory():
+    _, back = _round_trip(torch.arange(6).reshape(3, 2), 3)
+    back += 1  # no read-only buffer underneath
+    assert back.tolist() == [[1, 2], [3, 4], [5, 6]]
+
+
+def test_a_cell_not_written_by_rlgraph_is_a_clear_error():
+    with pytest.raises(DataPlaneError, match="rlgraph's encoding"):
+        cells.decode([torch.ones(2)])
+    with pytest.raises(DataPlaneError, match="mixes tensors and objects"):
+        cells.decode(cells.encode(_normalize("c", ["a"], 1)) + cells.encode(_normalize("c", torch.ones(1, 2), 1)))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf")
+def test_an_unsupported_dtype_names_the_ones_that_go():
+    with pytest.raises(DataPlaneError, match="dtype"):
+        cells.encode(_normalize("c", torch.ones(2, dtype=torch.complex32), 2))
