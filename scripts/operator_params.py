@@ -28,7 +28,9 @@ def _table(title: str, namespace: str, params: dict) -> str:
 
 
 def section() -> str:
-    specs = [("generate", stages.generate()), ("reward", stages.reward()), ("reward_model", stages.reward_model()),
+    specs = [("generate", stages.generate()),
+             ("agent_rollout (its own keys; the generate keys above apply too)", stages.agent_rollout()),
+             ("env_reward", stages.env_reward()), ("reward", stages.reward()), ("reward_model", stages.reward_model()),
              ('combine_rewards, with weights {"rule_scores": 1.0, "rm_scores": 0.5}',
               stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5})),
              ("overlong_penalty", stages.overlong_penalty()), ("filter_groups", stages.filter_groups()),
@@ -37,7 +39,10 @@ def section() -> str:
              ("update_actor", stages.update_actor())]
     parts = [HEAD, "Generated from the declarations by `scripts/operator_params.py` (`tests/test_docs.py` checks "
              "that every key is listed).\n", _table("data source", "data", dict(stages.prompt_source().params))]
-    parts += [_table(title, spec.namespace, dict(spec.params)) for title, spec in specs]
+    generate = stages.generate().params
+    parts += [_table(title, spec.namespace, {k: v for k, v in spec.params.items()
+                                             if not (title.startswith("agent_rollout") and k in generate)})
+              for title, spec in specs]
     return "\n".join(parts)
 
 

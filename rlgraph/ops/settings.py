@@ -23,6 +23,7 @@ from rlgraph.ops.names import AGG_MODES, ENGINE_BACKENDS, ESTIMATORS, EXECUTORS,
 __all__ = [
     "DataSettings",
     "RolloutSettings",
+    "AgentSettings",
     "RewardSettings",
     "RewardModelSettings",
     "OverlongSettings",
@@ -130,6 +131,35 @@ class RolloutSettings(Section):
     finish under the next, recorded in policy_version and policy_version_end; hf: between micro-batches).
     Fresher samples, but which tokens each version made depends on timing: a resume does not repeat them bit
     for bit"""
+
+
+class AgentSettings(Section):
+    """`agent_rollout`'s own settings. They live beside the sampling ones in ``rollout.*``: the agent op
+    is the rollout (rollout.n, rollout.temperature, ... apply; rollout.max_new_tokens limits each model
+    turn)."""
+
+    namespace: ClassVar[str] = "rollout"
+
+    env: str = ""
+    """'module:Class' or 'file.py:Class' of an Environment, one per trajectory (empty: tool use with
+    rollout.tools in rollout.tool_format, a turn without a call being the answer)"""
+    tools: str = ""
+    """tools the model may call: 'module:fn,file.py:other' (functions, @tool objects or lists of them)"""
+    tool_format: str = "hermes"
+    """how the model calls tools: hermes (<tool_call>{json}</tool_call>), inline ([name text]) or
+    'module:Class' (a ToolFormat)"""
+    max_turns: int = Field(4, ge=1)
+    """model turns per trajectory at most"""
+    max_response_tokens: int = Field(256, ge=1)
+    """a trajectory's model and observation tokens together at most (then it is cut: truncated)"""
+    max_obs_tokens: int = Field(64, ge=1)
+    """tokens of one observation at most (a longer tool or environment answer is cut)"""
+    tool_concurrency: int = Field(8, ge=1)
+    """tool calls running at once per worker, over all trajectories"""
+    tool_timeout_s: float = Field(10.0, ge=0.0)
+    """time limit of one tool call (0: none); a tool's own @tool(timeout_s=) wins"""
+    env_timeout_s: float = Field(60.0, ge=0.0)
+    """time limit of one environment step (0: none); an overrun ends the trajectory"""
 
 
 class RewardSettings(Section):

@@ -18,7 +18,7 @@ from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
 from rlgraph.graph.settings import params_of
 from rlgraph.ops.names import ESTIMATOR_NEEDS, ESTIMATORS
-from rlgraph.ops.settings import (ActorSettings, AlgorithmSettings, CriticSettings, DataSettings, FilterGroupsSettings,
+from rlgraph.ops.settings import (ActorSettings, AgentSettings, AlgorithmSettings, CriticSettings, DataSettings, FilterGroupsSettings,
                                   ForwardSettings, OldLogprobSettings, OverlongSettings, RefSettings,
                                   RewardModelSettings, RewardSettings, RolloutSettings, ValuesSettings)
 
@@ -28,6 +28,8 @@ __all__ = [
     "VALIDATION",
     "prompt_source",
     "generate",
+    "agent_rollout",
+    "env_reward",
     "reward",
     "filter_groups",
     "reward_model",
@@ -63,6 +65,9 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
                               "trains on it only if at most trainer.max_staleness versions behind its own"),
     "policy_version_end": T.int64(doc="the policy version that generated the response's last token: above "
                                   "policy_version when new weights arrived while it was generated (rollout.partial)"),
+    # agent_rollout (besides generate's columns)
+    "turn_ids": T.int64(R, doc="the turn of each response token: a model turn and the observation after it share it"),
+    "env_rewards": T.float32(doc="the environment's rewards of the trajectory, summed"),
     # reward
     "token_level_scores": T.float32(R, doc="the score, placed on the last response token"),
     "reward_extra": T.json(doc="extra values returned by the reward function"),
@@ -146,6 +151,67 @@ def generate(group: str = "actor", **changes: Any) -> OpSpec:
         cost=5.0,
         doc="Generate n responses per prompt, streaming each finished group; weights are synced from update_actor "
             "once per step.",
+    ).with_(**changes)
+
+
+def _validate_agent(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    """Import the agent's environment, tools and tool format at compile time: a wrong reference
+    fails `rlgraph validate`, not the first step."""
+    from rlgraph.ops.agents.rollout import load_kit
+    from rlgraph.ops.refs import RefError
+
+    try:
+        load_kit(str(params["env"]), str(params["tools"]), str(params["tool_format"]))
+    except RefError as e:
+        return [Problem("op-config", str(e), "point rollout.env at 'module:Class' (an Environment) or rollout.tools "
+                        "at 'module:function,...'; rollout.tool_format is hermes, inline or 'module:Class'")]
+    return _validate_generate(params, connected)
+
+
+def agent_rollout(env: str = "", tools: str = "", tool_format: str = "hermes", group: str = "actor", name: str = "agent",
+                  **changes: Any) -> OpSpec:
+    """Multi-turn rollouts: per trajectory, model turn -> tool calls or the environment's step ->
+    observation appended -> next turn, until the answer, rollout.max_turns or the token budget.
+    Token-exact (the sampled ids as generated, each observation tokenised on its own), with
+    ``response_mask`` 0 on observation tokens and the turn of every token in ``turn_ids``. One
+    call per rank; each group is handed on when its last trajectory ends. Its settings live in
+    ``rollout.*`` (it replaces `generate`); its metrics are ``<name>/*`` (default ``agent/*``).
+
+    `env`, `tools`, `tool_format` are the defaults of ``rollout.env``, ``rollout.tools`` and
+    ``rollout.tool_format``: references such as ``"my_envs.py:GuessNumber"`` (see docs/agents.md)."""
+    return OpSpec(
+        name=name,
+        inputs=_cols("prompt_ids", "policy_weights", "data_source", "ground_truth", "extra_info"),
+        outputs=_cols("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+                      "rollout_log_probs", "rollout_metrics", "policy_version", "policy_version_end", "turn_ids",
+                      "env_rewards"),
+        granularity="group",
+        group=group,
+        config_key=RolloutSettings.namespace,
+        params={**params_of(RolloutSettings), **params_of(AgentSettings, env=env, tools=tools, tool_format=tool_format)},
+        impl="rlgraph.ops.train.actor:ActorWorker.agent_rollout",
+        group_size_param="n",
+        batching=Batching(per_rank=True),
+        streams=True,
+        stale_ok=True,
+        validate=_validate_agent,
+        cost=5.0,
+        doc="Run each prompt's n trajectories over several turns with tools or an environment, streaming each "
+            "finished group; weights are synced from update_actor once per step.",
+    ).with_(**changes)
+
+
+def env_reward(group: str = "reward", name: str = "env_reward", **changes: Any) -> OpSpec:
+    """The environment's summed reward of each trajectory as its score (``token_level_scores``, on
+    the last response token), for pipelines whose environment scores the trajectories."""
+    return OpSpec(
+        name=name,
+        inputs=_cols("env_rewards", "response_mask"),
+        outputs=_cols("token_level_scores"),
+        group=group,
+        impl="rlgraph.ops.reward.rule:env_reward",
+        cost=0.1,
+        doc="Place each trajectory's environment reward on its last response token.",
     ).with_(**changes)
 
 

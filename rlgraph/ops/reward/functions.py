@@ -13,16 +13,14 @@ was left in (``<eos>``, ``<pad>``, a role marker) and stripping whitespace, so "
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlgraph.errors import RLGraphError
+from rlgraph.ops.refs import RefError, import_ref
 
 __all__ = [
     "RewardFnError",
@@ -84,23 +82,9 @@ def load_reward_fn(ref: str) -> RewardFn:
         raise RewardFnError(f"reward function {ref!r} is not of the form 'module:function' "
                             f"(e.g. 'rlgraph.ops.reward.functions:compute_score' or 'my_rewards.py:score')")
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise RewardFnError(f"reward function {ref!r}: file {target!r} does not exist")
-            spec = importlib.util.spec_from_file_location(f"_rlgraph_reward_{path.stem}", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except RewardFnError:
-        raise
-    except Exception as e:  # the user's module failed to import (ImportError, SyntaxError, ...)
-        raise RewardFnError(f"cannot import {target!r} for reward function {ref!r}: {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardFnError(f"reward function {ref!r}: module {target!r} has no attribute {name!r}")
+        fn = import_ref(ref, "reward function")
+    except RefError as e:
+        raise RewardFnError(str(e)) from e
     if not callable(fn):
         raise RewardFnError(f"reward function {ref!r} is not callable ({type(fn).__name__} {fn!r}); name a function")
     _check_signature(fn, ref)

@@ -29,7 +29,7 @@ from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
 from rlgraph.ops.settings import ActorSettings, DataSettings, RolloutSettings
 
-__all__ = ["RewardWorker", "combine_rewards", "overlong_penalty", "overlong_penalties"]
+__all__ = ["RewardWorker", "combine_rewards", "env_reward", "overlong_penalty", "overlong_penalties"]
 
 
 
@@ -177,3 +177,12 @@ def combine_rewards(response_mask: torch.Tensor, *, ctx: Any, **inputs: Any) -> 
             metrics[col] = {"mean": float(per_row.mean()), "weight": w}
     score_col, metrics_col = ctx.outputs[0], ctx.outputs[1]
     return {score_col: total, metrics_col: metrics}
+
+
+def env_reward(env_rewards: torch.Tensor, response_mask: torch.Tensor, *, ctx: Any) -> dict[str, Any]:
+    """``token_level_scores``: each row's environment reward on its response's last token."""
+    scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = torch.tensor(ctx.lengths["response_len"], dtype=torch.long)
+    if scores.numel():
+        scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = env_rewards.float().reshape(-1)
+    return {"token_level_scores": scores}

@@ -172,6 +172,39 @@ class ActorWorker(TrainerMixin):
                            partial_swap_bytes=swaps["bytes"], partial_frac=spanning / real if real else 0.0)
         return {"rollout_metrics": metrics}
 
+    def agent_rollout(self, prompt_ids: torch.Tensor, policy_weights: Mapping[str, Any] | None = None,
+                      data_source: list | None = None, ground_truth: list | None = None, extra_info: list | None = None,
+                      *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, ctx: Any,
+                      **settings: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
+        """Multi-turn rollouts with tools or an environment (`rlgraph.ops.agents`); yields each finished
+        group. `settings`: the agent's rollout.* keys (AgentSettings) and the generate op's others."""
+        from rlgraph.ops.agents.loop import AgentLimits
+        from rlgraph.ops.agents.rollout import agent_parts, load_kit
+
+        if self.backend != "hf":
+            raise OpError("the agent rollout runs on transformers (rollout.backend=hf) for now; vLLM's token-ids-in "
+                          "turns are not wired yet. Set rollout.backend=hf")
+        self._sync(policy_weights)
+        key = (settings["env"], settings["tools"], settings["tool_format"], settings["tool_concurrency"],
+               settings["tool_timeout_s"])
+        kits = self.__dict__.setdefault("_agent_kits", {})
+        if key not in kits:
+            kits[key] = load_kit(*key)
+        limits = AgentLimits(max_turns=settings["max_turns"], max_response_tokens=settings["max_response_tokens"],
+                             max_turn_tokens=max_new_tokens, max_obs_tokens=settings["max_obs_tokens"],
+                             env_timeout_s=settings["env_timeout_s"])
+        prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
+        metrics: dict[str, float] = {}
+        data = {"data_source": data_source, "ground_truth": ground_truth, "extra_info": extra_info}
+        for rows, cols in agent_parts(self.model, self.tokenizer, kits[key], prompts, ctx.is_padding, data,
+                                      n=ctx.group_size, seed=ctx.seed, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, limits=limits, logprobs="rollout_log_probs" in ctx.wanted,
+                                      metrics=metrics):
+            cols["policy_version"] = torch.full((len(rows),), self.policy_version, dtype=torch.int64)
+            cols["policy_version_end"] = torch.full((len(rows),), self.policy_version, dtype=torch.int64)
+            yield rows, cols
+        return {"rollout_metrics": metrics}
+
     def _take_newer(self, ctx: Any) -> bool:
         """Partial rollout: load policy weights imported into this worker while the call runs, if
         they are newer than the loaded ones and this step may read them (written before it)."""
