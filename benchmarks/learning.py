@@ -24,7 +24,7 @@ from pathlib import Path
 from benchmarks import common
 from rlgraph.runtime.metrics import read_metrics
 
-EXAMPLES = ("grpo", "grpo_async", "ppo", "ppo_rm", "dapo")
+EXAMPLES = ("grpo", "grpo_async", "ppo", "ppo_rm", "dapo", "agent_tools", "agent_guess")
 SEEDS = (0, 1, 2)
 GAIN, MINUTES = 0.2, 10.0  # the target: +0.2 mean reward within 10 minutes
 RESULTS = common.ROOT / "benchmarks" / "results" / "learning.json"

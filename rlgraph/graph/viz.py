@@ -145,6 +145,7 @@ def _op_label(plan: Plan, o: OpPlan) -> str:
         lines.append(_small(
             f"{b.mini_batches} mini-batches of {b.mini_batch_samples}{epochs}: {b.updates_per_step} updates"
         ))
+    lines += [_small(line) for line in _agent_lines(o)]
     if o.skip_before_step:
         lines.append(_small(f"skipped while step < {o.skip_before_step}"))
     if plan.batches_calls(o.name):
@@ -164,6 +165,20 @@ def _op_label(plan: Plan, o: OpPlan) -> str:
     if pruned:
         lines.append(_small("pruned: " + ", ".join(pruned), _PRUNED))
     return "<" + "<BR/>".join(lines) + ">"
+
+
+def _agent_lines(o: OpPlan) -> list[str]:
+    """An agent op's environment, tools and call format (the names its references end with)."""
+    p = o.params
+    if "tool_format" not in p or not ("env" in p or "tools" in p):
+        return []
+    name = lambda ref: str(ref).rpartition(":")[2] or str(ref)  # noqa: E731
+    lines = [f"env: {name(p['env'])}"] if p.get("env") else []
+    tools = [name(t) for t in str(p.get("tools") or "").split(",") if t.strip()]
+    if tools:
+        lines.append(f"tools: {', '.join(tools)}; format {name(p['tool_format'])}")
+    lines.append(f"at most {p.get('max_turns', '?')} turns, {p.get('max_response_tokens', '?')} tokens")
+    return lines
 
 
 def _source_label(plan: Plan, name: str) -> str:

@@ -288,7 +288,7 @@ def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: tor
 
 def sft_warmstart(
     model_dir: str | Path,
-    examples: Sequence[tuple[Sequence[dict], str]],
+    examples: Sequence[tuple[Sequence[dict], str | Sequence[tuple[str, bool]]]],
     steps: int = 100,
     lr: float = 3e-3,
     seed: int = 0,
@@ -298,7 +298,9 @@ def sft_warmstart(
 ) -> SFTMetrics:
     """Supervised warm start: cross-entropy on answer tokens (and the closing <eos>) only.
 
-    `examples` are ``(prompt_messages, answer)`` pairs; each step draws `batch_size` of them
+    `examples` are ``(prompt_messages, answer)`` pairs, the answer a string or a list of ``(text,
+    learned)`` segments (a multi-turn trajectory whose observations are not learned); each step
+    draws `batch_size` of them
     (seeded). AdamW with linear warm-up over the first 10% of steps and cosine decay. The tuned
     model (and tokenizer) is saved to `out_dir`, by default back into `model_dir`.
 
@@ -316,12 +318,18 @@ def sft_warmstart(
     model = load_causal_lm(model_dir).train()
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
-    # prompt + answer + <eos>, with labels -100 on the prompt so only the answer is learned
+    # prompt + answer + <eos>, with labels -100 on the prompt so only the answer is learned; an
+    # answer given as (text, learned) segments (a multi-turn trajectory) learns only its model turns,
+    # each segment tokenised on its own as the agent loop does
     seqs: list[tuple[list[int], list[int]]] = []
     for messages, answer in examples:
         prompt = encode_prompt(tokenizer, messages)
-        target = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [eos]
-        seqs.append((prompt + target, [-100] * len(prompt) + target))
+        target, labels = [], []
+        for text, learned in ([(answer, True)] if isinstance(answer, str) else answer):
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            target += ids
+            labels += ids if learned else [-100] * len(ids)
+        seqs.append((prompt + target + [eos], [-100] * len(prompt) + labels + [eos]))
 
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))

@@ -64,7 +64,7 @@ class DataSettings(SourceSettings):
     """drop (and count) prompts longer than max_prompt_length; false: such a prompt is an error naming its row"""
     shuffle: bool = True
     """shuffle prompts each epoch (seeded by trainer.seed and the epoch)"""
-    task: Literal["add", "count"] = "add"
+    task: Literal["add", "count", "mul", "guess"] = "add"
     """built-in task generated when data.path is empty"""
     num_rows: int = Field(1024, ge=1)
     """train rows generated when data.path is empty"""

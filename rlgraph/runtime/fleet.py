@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -36,6 +37,7 @@ CONTROL = "control"  # the worker actors' concurrency group for imports during a
 PLANE = "data plane"  # the data plane's name among the dead (`rlgraph.runtime.runner`)
 WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
 SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
+PG_REMOVE_S = 5.0  # closing waits this long for Ray to remove the placement groups
 log = logging.getLogger("rlgraph.runtime")
 
 
@@ -316,11 +318,18 @@ class Fleet:
                 ray.kill(w, no_restart=True)
             from ray.util.placement_group import remove_placement_group
 
-            for pg in self._pgs.values():
-                try:
-                    remove_placement_group(pg)
-                except Exception:  # already gone with a dead cluster
-                    pass
+            def remove_all(pgs: list) -> None:
+                for pg in pgs:
+                    try:
+                        remove_placement_group(pg)
+                    except Exception:  # already gone with a dead cluster
+                        pass
+            # with the local raylet gone (a kill of the run's process group) the call never returns:
+            # give it a few seconds on a thread of its own, then go on closing
+            t = threading.Thread(target=remove_all, args=(list(self._pgs.values()),), name="rlgraph_remove_pgs",
+                                 daemon=True)
+            t.start()
+            t.join(PG_REMOVE_S)
         self.workers, self.source, self._pgs = {}, None, {}
         if self.plane is not None and self._own_plane:
             self.plane.close()

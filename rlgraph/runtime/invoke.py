@@ -77,6 +77,13 @@ class OpContext:
     # the state columns this worker holds now (live: a value imported while the call runs shows here;
     # partial rollout reads newer weights from it mid-call). The call's own inputs are its arguments
     state: Mapping[str, Any] = field(default_factory=dict)
+    # timed events inside the call for the timeline: (start, end, lane, label), e.g. an agent's turns
+    events: list[tuple[float, float, int, str]] = field(default_factory=list)
+
+    def event(self, start: float, end: float, lane: int, label: str) -> None:
+        """Record something that happened inside this call (times from `time.time()`): the timeline
+        draws it on lane `lane` of the call's box (e.g. an agent trajectory's turns and tool calls)."""
+        self.events.append((float(start), float(end), int(lane), str(label)))
 
     def drop(self, index: int, reason: str, group: bool = False) -> None:
         """Drop row `index` of this call from training (with `group=True`, every sample of its
@@ -229,6 +236,7 @@ class Invoker:
         self.bound: dict[str, _Bound] = {}
         self.state: dict[str, Any] = {}  # state columns produced or imported here
         self.last_dropped: dict[int, tuple[str, bool]] = {}  # rows the last call dropped (ctx.drop)
+        self.last_events: list[tuple[float, float, int, str]] = []  # the last call's timed events (ctx.event)
         self.last_rest: dict[str, Any] = {}  # a streaming call's outputs other than its per-sample ones
         for op in plan.ops:
             if op.group == group:
@@ -283,7 +291,7 @@ class Invoker:
             kwargs[name] = self.state.get(name)
         kwargs.update(bound.params)
         lengths = _row_lengths(self.plan, op, inputs)
-        self.last_dropped = {}
+        self.last_dropped, self.last_events = {}, []
         ctx = None
         if bound.takes_ctx:
             ctx = kwargs[_CTX] = OpContext(
@@ -308,6 +316,7 @@ class Invoker:
         result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         if ctx is not None:
             self.last_dropped = dict(ctx.dropped)
+            self.last_events = list(ctx.events)
         out = check_outputs(self.plan, op, result, len(rows), lengths)
         self._keep_state(op, out)
         return out
@@ -353,3 +362,4 @@ class Invoker:
         self._keep_state(op, self.last_rest)
         if ctx is not None:
             self.last_dropped = dict(ctx.dropped)
+            self.last_events = list(ctx.events)

@@ -219,6 +219,39 @@ def _draw_calls(ax: "Axes", spans: Sequence[Span], colour: Mapping[str, str]) ->
     ax.set_axisbelow(True)
 
 
+EVENT_LANES = 24  # lanes (e.g. trajectories) drawn inside a call at most
+_EVENT_COLOURS = {"turn": "#4e79a7", "tool": "#e15759", "env": "#59a14f"}
+
+
+def _draw_events(ax: "Axes", spans: Sequence[Span]) -> None:
+    """What happened inside one op's calls of one step (`Span.events`): a lane per event lane (an
+    agent's trajectory), a box per event, coloured by the label's first word (turn, tool, env)."""
+    from matplotlib.patches import Patch
+
+    keys = sorted({(s.rank, lane) for s in spans for _, _, lane, _ in s.events})[:EVENT_LANES]
+    row = {k: i for i, k in enumerate(keys)}
+    t0 = min(s.start for s in spans)
+    boxes: dict[str, list[tuple[int, tuple[float, float]]]] = defaultdict(list)
+    for s in spans:
+        for start, end, lane, label in s.events:
+            if (s.rank, lane) in row:
+                kind = label.split()[0] if label else "event"
+                boxes[kind].append((row[(s.rank, lane)], (start - t0, max(end - start, 1e-4))))
+    for kind, items in boxes.items():
+        for i, xs in items:
+            ax.broken_barh([xs], (i - 0.4, 0.8), facecolors=_EVENT_COLOURS.get(kind, "#bab0ac"),
+                           edgecolors="#333333", linewidths=0.2)
+    ax.set_yticks(range(len(keys)), [f"{r}.{lane}" for r, lane in keys], fontsize=_FONT - 2)
+    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set_xlabel("seconds from the call's start", fontsize=_FONT)
+    ax.tick_params(axis="x", labelsize=_FONT)
+    ax.grid(True, axis="x", color="#eeeeee")
+    ax.legend(handles=[Patch(facecolor=_EVENT_COLOURS.get(k, "#bab0ac"), label=k) for k in sorted(boxes)],
+              fontsize=_FONT - 1, loc="upper right", frameon=False)
+    ax.set_title(f"inside {spans[0].op}, step {spans[0].step}: each lane a trajectory (rank.index), model turns "
+                 f"and tool or environment steps", fontsize=_FONT + 1, loc="left")
+
+
 def _draw_summary(ax: "Axes", steps: Sequence[int], per_op: Mapping[str, Sequence[float]], wall: Sequence[float],
                   colour: Mapping[str, str], detail: Sequence[int]) -> int:
     """Draw the per-step lines; returns the steps each point averages (1 up to `SUMMARY_POINTS` steps)."""
@@ -267,11 +300,16 @@ def timeline_figure(spans: Iterable[Span], title: str = "timeline",
     lanes = len({(s.group, s.rank) for s in shown})
     seconds = max(s.end for s in shown) - min(s.start for s in shown)
     lane_h = 0.28 if lanes > 4 else 0.4
+    inner = [s for s in shown if s.events]
+    inner = [s for s in inner if s.step == inner[-1].step and s.op == inner[-1].op] if inner else []
+    inner_lanes = len({(s.rank, lane) for s in inner for _, _, lane, _ in s.events})
+    inner_h = [max(1.2, min(inner_lanes, 24) * 0.16)] if inner else []
     if long_run:
         steps, per_op, wall = _run_summary(spans, records)
         colour = _op_colours(spans, per_op)
-        fig = new_figure(11, 3.4 + lanes * lane_h + 0.9)
-        summary, detail = fig.subplots(2, 1, height_ratios=[2.6, max(1.4, lanes * lane_h)])
+        fig = new_figure(11, 3.4 + lanes * lane_h + 0.9 + sum(inner_h) + (0.6 if inner else 0))
+        summary, detail, *rest = fig.subplots(2 + len(inner_h), 1,
+                                              height_ratios=[2.6, max(1.4, lanes * lane_h), *inner_h])
         size = _draw_summary(summary, steps, per_op, wall, colour, sorted({s.step for s in shown}))
         means = f", means over {size} steps" if size > 1 else ""
         summary.set_title(f"whole run: each op's span (first call start to last call end) per step, "
@@ -282,9 +320,13 @@ def timeline_figure(spans: Iterable[Span], title: str = "timeline",
         fig.suptitle(title, fontsize=11, x=0.01, ha="left")
     else:
         colour = _op_colours(spans)
-        fig = new_figure(11, 1.3 + max(1.0, lanes * lane_h) + 0.5)
-        _draw_calls(fig.add_subplot(), shown, colour)
+        fig = new_figure(11, 1.3 + max(1.0, lanes * lane_h) + 0.5 + sum(inner_h) + (0.6 if inner else 0))
+        calls, *rest = fig.subplots(1 + len(inner_h), 1, height_ratios=[max(1.0, lanes * lane_h), *inner_h]) \
+            if inner else [fig.add_subplot()]
+        _draw_calls(calls, shown, colour)
         fig.suptitle(f"{title} ({seconds:.2f} s)", fontsize=11, x=0.01, ha="left")
+    if inner:
+        _draw_events(rest[0], inner)
     _legend(fig, colour, wall=long_run)
     return fig
 

@@ -34,10 +34,17 @@ class Span:
     parts: tuple[tuple[float, int], ...] = ()  # a streaming call: (time, rows) of each part handed over
     local_bytes: int = 0  # column bytes the call moved to or from storage on its own node
     cross_node_bytes: int = 0  # ... on another node (known for TransferQueue)
+    # timed events inside the call (`OpContext.event`): (start, end, lane, label); an agent's turns
+    events: tuple[tuple[float, float, int, str], ...] = ()
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+def _lane_tid(rank: int, lane: int) -> int:
+    """A thread id for lane `lane` of rank `rank`'s calls, apart from the ranks' own ids."""
+    return 100_000 * (rank + 1) + lane
 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
@@ -51,6 +58,7 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
         events.append({"name": "process_name", "ph": "M", "pid": pid[g], "args": {"name": f"group {g}"}})
     for g, r in sorted({(s.group, s.rank) for s in spans}):
         events.append({"name": "thread_name", "ph": "M", "pid": pid[g], "tid": r, "args": {"name": f"rank {r}"}})
+    lanes: set[tuple[str, int]] = set()
     for s in spans:
         events.append({
             "name": s.op, "cat": f"step{s.step}", "ph": "X", "pid": pid[s.group], "tid": s.rank,
@@ -60,6 +68,15 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
         for t, rows in s.parts:  # instant events: when a streaming call handed over each part
             events.append({"name": f"{s.op} part", "cat": f"step{s.step}", "ph": "i", "s": "t", "pid": pid[s.group],
                            "tid": s.rank, "ts": round((t - t0) * 1e6, 1), "args": {"chunk": s.chunk, "rows": rows}})
+        for start, end, lane, label in s.events:  # inside the call, one thread per lane (e.g. a trajectory)
+            tid = _lane_tid(s.rank, lane)
+            if (s.group, tid) not in lanes:
+                lanes.add((s.group, tid))
+                events.append({"name": "thread_name", "ph": "M", "pid": pid[s.group], "tid": tid,
+                               "args": {"name": f"rank {s.rank} {s.op} lane {lane}"}})
+            events.append({"name": label, "cat": f"step{s.step}", "ph": "X", "pid": pid[s.group], "tid": tid,
+                           "ts": round((start - t0) * 1e6, 1), "dur": round((end - start) * 1e6, 1),
+                           "args": {"step": s.step, "lane": lane}})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1) + "\n")

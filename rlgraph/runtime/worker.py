@@ -166,6 +166,7 @@ class GroupWorker:
         moved = locality_bytes_in_this_process()
         outs: list[dict[str, Any]] = []
         dropped: dict[int, tuple[str, bool]] = {}
+        events: list[tuple[float, float, int, str]] = []
         with self._failures(op_name, step, chunks[0][0], rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunks[0][0])
         at = 0
@@ -175,12 +176,13 @@ class GroupWorker:
                 outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
                                               _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt))
             dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
+            events += self.invoker.last_events
             at += n
         out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
         self._put(partition, rows, out)
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
-                      start=start, end=time.time(), **_moved_since(moved)),
+                      start=start, end=time.time(), events=tuple(events), **_moved_since(moved)),
             metrics=[{c: v for c, v in o.items() if self.plan.columns[c].kind == "metric"} for o in outs],
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
@@ -214,7 +216,8 @@ class GroupWorker:
         rest = self.invoker.last_rest
         yield CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
-                      start=start, end=time.time(), parts=tuple(handed), **_moved_since(moved)),
+                      start=start, end=time.time(), parts=tuple(handed), events=tuple(self.invoker.last_events),
+                      **_moved_since(moved)),
             metrics=[{c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"}],
             batch_values={c: v for c, v in rest.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},

@@ -80,8 +80,8 @@ class Hermes(ToolFormat):
 
 
 class Inline(ToolFormat):
-    """``[name argument text]``: the first call of a turn; its text goes to the tool's first
-    parameter. The result comes back as ``=result]``. Subclass it to pick other delimiters
+    """``[name argument text]``: the first call of a turn (a name of letters and ``_``); its text
+    goes to the tool's first parameter. The result comes back as ``=result]``. Subclass it to pick other delimiters
     (``open``, ``close``, ``result``), e.g. ones a character tokenizer knows."""
 
     open, close, result = "[", "]", "="
@@ -89,7 +89,7 @@ class Inline(ToolFormat):
     def __init__(self) -> None:
         self.stop = (self.close,)
         o, c = re.escape(self.open), re.escape(self.close)
-        self._call = re.compile(rf"{o}(\w+)\s*((?:(?!{c}).)*){c}", re.S)
+        self._call = re.compile(rf"{o}([A-Za-z_]+)\s*((?:(?!{c}).)*){c}", re.S)
 
     def parse(self, text: str) -> list[ToolCall]:
         m = self._call.search(text)

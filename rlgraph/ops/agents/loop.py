@@ -22,6 +22,7 @@ raises or overruns ends its trajectory and is counted, never stopping the others
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -30,7 +31,7 @@ import torch
 from rlgraph.ops.agents.env import Environment, as_step_result, call_maybe_async
 from rlgraph.seeds import stable_seed
 
-__all__ = ["AgentLimits", "HFSampler", "Sampler", "Trajectory", "chat_observations", "observation_ids", "run_trajectories", "summary"]
+__all__ = ["AgentLimits", "HFSampler", "Sampler", "Trajectory", "VLLMSampler", "chat_observations", "observation_ids", "run_trajectories", "summary"]
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,12 @@ class Trajectory:
 
 
 class Sampler(Protocol):
-    """Continues each history by at most `max_new` tokens, ending at `eos` or a `stop` string:
-    returns per history the new ids (the stop token included) and their log-probs."""
+    """Continues each history by at most `max_new` tokens, ending at EOS or a `stop` string, each
+    history sampled from its own seed (so what a trajectory draws does not depend on which others
+    share its batch): returns per history the new ids (the stop token included) and their log-probs."""
 
     def __call__(self, histories: Sequence[Sequence[int]], max_new: int, stop: Sequence[str],
-                 seed: int) -> list[tuple[list[int], list[float]]]: ...
+                 seeds: Sequence[int]) -> list[tuple[list[int], list[float]]]: ...
 
 
 def _stop_cut(tokenizer: Any, ids: list[int], stop: Sequence[str], eos: set[int]) -> int:
@@ -99,60 +101,111 @@ def _stop_cut(tokenizer: Any, ids: list[int], stop: Sequence[str], eos: set[int]
     return end
 
 
-class _StopOnText:
-    """A transformers stopping criterion: a row is done once its new text holds a stop string."""
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str], start: int) -> None:
-        self.tokenizer, self.stop, self.start = tokenizer, list(stop), start
-        self.window = 4 * max((len(s) for s in stop), default=1) + 8
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        new = input_ids[:, self.start:]
-        tail = new[:, -self.window:].tolist()
-        return torch.tensor([any(s in self.tokenizer.decode(row) for s in self.stop) for row in tail],
-                            dtype=torch.bool, device=input_ids.device)
+def _filter(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' top-k then top-p filtering of `[B, V]` scores (removed entries at -inf)."""
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)
+        remove[:, -1] = False  # keep at least the most likely token
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return scores
 
 
 class HFSampler:
-    """Turns on a transformers model: the histories left-padded into one batch."""
+    """Turns on a transformers model: the histories left-padded into one batch, decoded with the
+    KV cache, each row sampled by the Gumbel-max trick from noise of its own seed (the same draw
+    whatever batch it is in, up to the float rounding of batched matmuls). Log-probs are those of
+    the processed distribution (temperature, top-k, top-p), as `hf_parts` reports them."""
 
     def __init__(self, model: Any, tokenizer: Any, *, temperature: float, top_p: float, top_k: int,
                  logprobs: bool = True) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.temperature, self.top_p, self.top_k, self.logprobs = temperature, top_p, top_k, logprobs
-        self.eos = {tokenizer.eos_token_id}
+        self.eos = tokenizer.eos_token_id
+
+    def _stopped(self, rows: list[list[int]], stop: Sequence[str]) -> list[bool]:
+        window = 4 * max(len(x) for x in stop) + 8
+        return [any(x in self.tokenizer.decode(r[-window:]) for x in stop) for r in rows]
 
     @torch.no_grad()
     def __call__(self, histories: Sequence[Sequence[int]], max_new: int, stop: Sequence[str],
-                 seed: int) -> list[tuple[list[int], list[float]]]:
-        from transformers import StoppingCriteriaList
-
+                 seeds: Sequence[int]) -> list[tuple[list[int], list[float]]]:
         pad = self.tokenizer.pad_token_id
-        width = max(len(h) for h in histories)
-        ids = torch.full((len(histories), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(histories), width), dtype=torch.long)
+        B, width = len(histories), max(len(h) for h in histories)
+        ids = torch.full((B, width), pad, dtype=torch.long)
+        mask = torch.zeros((B, width), dtype=torch.long)
         for j, h in enumerate(histories):
             ids[j, width - len(h):] = torch.tensor(list(h), dtype=torch.long)
             mask[j, width - len(h):] = 1
-        torch.manual_seed(seed)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        logits, past = out.logits[:, -1, :], out.past_key_values
+        vocab = logits.shape[-1]
         sample = self.temperature > 0
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=sample,
-            temperature=self.temperature if sample else None, top_p=self.top_p if sample else None,
-            top_k=(self.top_k or None) if sample else None, pad_token_id=pad, eos_token_id=sorted(self.eos),
-            stopping_criteria=StoppingCriteriaList([_StopOnText(self.tokenizer, stop, width)]) if stop else None,
-            return_dict_in_generate=True, output_scores=self.logprobs)
-        new = out.sequences[:, width:]
+        if sample:  # each row's noise for the whole turn, from its own seed
+            gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+            u = torch.stack([torch.rand((max_new, vocab), generator=g) for g in gens])
+            gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
+        new: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        pos = positions[:, -1:]
+        for step in range(max_new):
+            scores = logits.float()
+            if sample:
+                scores = _filter(scores / self.temperature, self.top_k, self.top_p)
+            logp = torch.log_softmax(scores, dim=-1)
+            tok = torch.argmax(logp + gumbel[:, step] if sample else logp, dim=-1)
+            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            for j in torch.nonzero(~done).flatten().tolist():
+                new[j].append(int(tok[j]))
+                lps[j].append(float(tok_lp[j]))
+            done |= tok == self.eos
+            if stop:
+                open_rows = torch.nonzero(~done).flatten().tolist()
+                for j, hit in zip(open_rows, self._stopped([new[j] for j in open_rows], stop)):
+                    done[j] = done[j] or hit
+            if bool(done.all()) or step == max_new - 1:
+                break
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+            pos = pos + 1
+            out = self.model(input_ids=tok.masked_fill(done, pad)[:, None], attention_mask=mask, position_ids=pos,
+                             past_key_values=past, use_cache=True)
+            logits, past = out.logits[:, -1, :], out.past_key_values
+        eos = {self.eos}
         results = []
-        for j in range(len(histories)):
-            row = new[j].tolist()
-            n = _stop_cut(self.tokenizer, row, stop, self.eos)
-            lps = [0.0] * n
-            if self.logprobs and n:
-                scores = torch.stack([s[j] for s in out.scores[:n]]).float()
-                lps = torch.log_softmax(scores, dim=-1).gather(-1, new[j, :n, None]).squeeze(-1).tolist()
-            results.append((row[:n], lps))
+        for j in range(B):
+            n = _stop_cut(self.tokenizer, new[j], stop, eos)
+            results.append((new[j][:n], lps[j][:n] if self.logprobs else [0.0] * n))
         return results
+
+
+class VLLMSampler:
+    """Turns on a vLLM engine (`rlgraph.ops.rollout.vllm_engine.VLLMEngine`): every history goes in
+    as token ids, one request each with its own seed, so the engine batches them continuously and
+    its prefix cache reuses what earlier turns computed."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, temperature: float, top_p: float, top_k: int,
+                 logprobs: bool = True) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.temperature, self.top_p, self.top_k, self.logprobs = temperature, top_p, top_k, logprobs
+        self.eos = {tokenizer.eos_token_id}
+
+    def __call__(self, histories: Sequence[Sequence[int]], max_new: int, stop: Sequence[str],
+                 seeds: Sequence[int]) -> list[tuple[list[int], list[float]]]:
+        out: list[tuple[list[int], list[float]]] = [([], [])] * len(histories)
+        for done in self.engine.generate([list(h) for h in histories], n=1, temperature=self.temperature,
+                                         top_p=self.top_p, top_k=self.top_k, max_tokens=max_new,
+                                         stop_token_ids=[], seeds=list(seeds), logprobs=self.logprobs, stop=stop):
+            ids = list(done.tokens[0])
+            lps = list(done.logprobs[0]) if done.logprobs else [0.0] * len(ids)
+            n = _stop_cut(self.tokenizer, ids, stop, self.eos)
+            out[done.index] = (ids[:n], lps[:n])
+        return out
 
 
 def chat_observations(tokenizer: Any) -> bool:
@@ -186,84 +239,133 @@ def observation_ids(tokenizer: Any, text: str, chat: bool = False) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _step_all(trajs: list[Trajectory], actions: list[str], timeout_s: float) -> list[Any]:
-    """Each trajectory's env step on a thread of its own; an error or a timeout is returned as an
-    exception in its place."""
-    out: list[Any] = [None] * len(trajs)
-    events = []
-    for k, (t, action) in enumerate(zip(trajs, actions)):
-        done = threading.Event()
+class _Steps:
+    """Environment steps on threads of their own: `start` returns at once, `collect` waits for
+    finished (or timed-out) ones. A step that overran its limit is abandoned: its thread runs on,
+    its trajectory ends with a `TimeoutError`."""
 
-        def target(k: int = k, env: Environment = t.env, action: str = action, done: threading.Event = done) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.cv = threading.Condition()
+        self.running: dict[int, tuple[Trajectory, float]] = {}
+        self.finished: list[tuple[Trajectory, Any, float, float]] = []
+
+    def start(self, t: Trajectory, action: str) -> None:
+        start = time.time()
+        self.running[id(t)] = (t, start)
+
+        def target() -> None:
             try:
-                out[k] = as_step_result(call_maybe_async(env.step, action))
+                result: Any = as_step_result(call_maybe_async(t.env.step, action))
             except BaseException as e:  # the environment's failure ends its trajectory, not the run
-                out[k] = e
-            finally:
-                done.set()
+                result = e
+            with self.cv:
+                if self.running.pop(id(t), None) is not None:  # not given up on
+                    self.finished.append((t, result, start, time.time()))
+                    self.cv.notify_all()
         threading.Thread(target=target, name="rlgraph_env_step", daemon=True).start()
-        events.append(done)
-    for k, done in enumerate(events):
-        if not done.wait(timeout_s or None) and out[k] is None:
-            out[k] = TimeoutError(f"the environment's step took longer than agent.env_timeout_s={timeout_s:g}s")
-    return out
+
+    def _expire(self) -> float | None:
+        """Give up on overrun steps; seconds until the next deadline (None: no limit or none running)."""
+        if not self.timeout_s or not self.running:
+            return None
+        now = time.time()
+        for key, (t, start) in list(self.running.items()):
+            if now - start >= self.timeout_s:
+                del self.running[key]
+                self.finished.append((t, TimeoutError(f"the environment's step took longer than "
+                                                      f"rollout.env_timeout_s={self.timeout_s:g}s"), start, now))
+        return min((start + self.timeout_s - now for _, start in self.running.values()), default=None)
+
+    def collect(self, gather_s: float) -> list[tuple[Trajectory, Any, float, float]]:
+        """Wait until a step has ended, then up to `gather_s` more while others are still running
+        (so that fast steps' trajectories take their next turn together)."""
+        with self.cv:
+            while not self.finished and self.running:
+                wait = self._expire()
+                if not self.finished:
+                    self.cv.wait(wait)
+            until = time.time() + gather_s
+            while self.running and time.time() < until:
+                self.cv.wait(max(0.0, min(until - time.time(), self._expire() or gather_s)))
+            self._expire()
+            out, self.finished = self.finished, []
+        return out
+
+
+TRACE_LANES = 16  # trajectories of a call whose turns go to the timeline (`record`)
+GATHER_S = 0.02  # after an environment step ends, how long the loop waits for others to batch their next turn
 
 
 def run_trajectories(trajs: list[Trajectory], groups: list[list[int]], sampler: Sampler, tokenizer: Any,
                      limits: AgentLimits, stop: Sequence[str], seed: int,
-                     observe: Callable[[str], list[int]] | None = None) -> Iterator[list[int]]:
+                     observe: Callable[[str], list[int]] | None = None,
+                     record: Callable[[float, float, int, str], None] | None = None) -> Iterator[list[int]]:
     """Run every trajectory to its end; yield each group (positions into `trajs`) once all its
-    trajectories have ended."""
+    trajectories have ended. A trajectory takes its next turn as soon as its environment step is
+    done (with the others done by then, `GATHER_S`): one waiting on a slow tool holds no one else.
+    Its tokens depend only on its history and its seed (the call's seed, its position, the turn),
+    never on which others shared a batch. `record(start, end, lane, label)` gets the model turns and
+    the tool or environment steps of the first `TRACE_LANES` trajectories (lane: its ``pos``)."""
+    traced = {id(t) for t in trajs[:TRACE_LANES]} if record is not None else set()
     chat = observe is None and chat_observations(tokenizer)
     observe = observe or (lambda text: observation_ids(tokenizer, text, chat))
     open_groups = [list(g) for g in groups]
-    turn = 0
+    steps = _Steps(limits.env_timeout_s)
+    ready = [t for t in trajs if not t.done]
     while True:
         finished = [g for g in open_groups if all(trajs[i].done for i in g)]
         for g in finished:
             open_groups.remove(g)
             yield g
-        active = [t for t in trajs if not t.done]
-        if not active:
+        if not ready and not steps.running and not steps.finished:
             return
-        budget = [min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response)) for t in active]
-        outs = sampler([t.prompt + t.response for t in active], max(budget), stop, stable_seed(seed, turn))
-        stepping, actions = [], []
-        for t, b, (ids, lps) in zip(active, budget, outs):
-            cut = ids[:b]
-            t.add(cut, True, lps[:b])
-            if t.env is None:
-                t.done = True
-                continue
-            # a turn may end with EOS (a chat model's end of turn): the environment decides whether the
-            # trajectory goes on, and reads the turn even when the budget is spent
-            stepping.append(t)
-            actions.append(tokenizer.decode(cut, skip_special_tokens=True))
-            if len(t.response) >= limits.max_response_tokens:
-                t.done = t.truncated = True
-        for t, result in zip(stepping, _step_all(stepping, actions, limits.env_timeout_s)):
+        if ready:
+            batch, ready = sorted(ready, key=lambda t: t.pos), []
+            budget = [min(limits.max_turn_tokens, limits.max_response_tokens - len(t.response)) for t in batch]
+            t_turn = time.time()
+            outs = sampler([t.prompt + t.response for t in batch], max(budget), stop,
+                           [stable_seed(seed, t.pos, t.turns) for t in batch])
+            t_done = time.time()
+            for t, b, (ids, lps) in zip(batch, budget, outs):
+                if id(t) in traced:
+                    record(t_turn, t_done, t.pos, f"turn {t.turns}")
+                cut = ids[:b]
+                t.add(cut, True, lps[:b])
+                if t.env is None:
+                    t.done = True
+                    t.turns += 1
+                    continue
+                # a turn may end with EOS (a chat model's end of turn): the environment decides whether the
+                # trajectory goes on, and reads the turn even when the budget is spent
+                if len(t.response) >= limits.max_response_tokens:
+                    t.done = t.truncated = True
+                steps.start(t, tokenizer.decode(cut, skip_special_tokens=True))
+        for t, result, t0, t1 in steps.collect(GATHER_S):
+            if id(t) in traced:
+                record(t0, t1, t.pos, "tool call" if getattr(result, "tool_calls", 0) else "env step")
             if isinstance(result, BaseException):
                 t.env_error = f"{type(result).__name__}: {result}"
                 t.done = True
+                t.turns += 1
                 continue
             t.reward += result.reward
             t.tool_calls += result.tool_calls
             if result.done:
                 t.done = True
-            if t.done:
-                continue
-            # a chat template wraps tool results itself; without one the format's text carries them
-            text = "\n".join(result.tool_results) if chat and result.tool_results else result.observation
-            obs = observe(text)[:limits.max_obs_tokens]
-            room = limits.max_response_tokens - len(t.response)
-            if len(obs) >= room:
-                obs, t.truncated, t.done = obs[:room], True, True
-            t.add(obs, False)
-        for t in active:
+            if not t.done:  # the observation shares the turn id of the model turn it answers
+                # a chat template wraps tool results itself; without one the format's text carries them
+                text = "\n".join(result.tool_results) if chat and result.tool_results else result.observation
+                obs = observe(text)[:limits.max_obs_tokens]
+                room = limits.max_response_tokens - len(t.response)
+                if len(obs) >= room:
+                    obs, t.truncated, t.done = obs[:room], True, True
+                t.add(obs, False)
             t.turns += 1
             if not t.done and t.turns >= limits.max_turns:
                 t.done = True
-        turn += 1
+            if not t.done:
+                ready.append(t)
 
 
 def summary(trajs: Sequence[Trajectory], real: Sequence[bool]) -> Mapping[str, float]:

@@ -16,7 +16,7 @@ import torch
 
 from rlgraph.ops.agents.env import Environment, ToolEnvironment, call_maybe_async
 from rlgraph.ops.agents.formats import ToolFormat, load_format
-from rlgraph.ops.agents.loop import AgentLimits, HFSampler, Trajectory, run_trajectories, summary
+from rlgraph.ops.agents.loop import AgentLimits, Sampler, Trajectory, run_trajectories, summary
 from rlgraph.ops.agents.tools import ToolBox, load_tools
 from rlgraph.ops.refs import RefError, import_ref
 from rlgraph.ops.rollout.parts import groups_of, response_columns
@@ -59,12 +59,13 @@ def _row(k: int, data: Mapping[str, Sequence[Any] | None], prompt_text: str) -> 
     return row
 
 
-def agent_parts(model: Any, tokenizer: Any, kit: AgentKit, prompts: Sequence[torch.Tensor],
+def agent_parts(sampler: Sampler, tokenizer: Any, kit: AgentKit, prompts: Sequence[torch.Tensor],
                 is_padding: Sequence[bool], data: Mapping[str, Sequence[Any] | None], *, n: int, seed: int,
-                temperature: float, top_p: float, top_k: int, limits: AgentLimits, logprobs: bool,
-                metrics: dict[str, float]) -> Iterator[tuple[list[int], dict[str, Any]]]:
+                limits: AgentLimits, metrics: dict[str, float],
+                record: Any = None) -> Iterator[tuple[list[int], dict[str, Any]]]:
     """Parts ``(positions, columns)``: the padding rows first, then each group as it finishes.
-    Fills `metrics` with the call's agent metrics when it ends."""
+    Fills `metrics` with the call's agent metrics when it ends; `record` (``ctx.event``) gets the
+    first trajectories' turns and steps for the timeline."""
     eos = tokenizer.eos_token_id
     padding, groups = groups_of(is_padding, n)
     if padding:
@@ -82,10 +83,9 @@ def agent_parts(model: Any, tokenizer: Any, kit: AgentKit, prompts: Sequence[tor
                 t.add(list(tokenizer.encode(str(first), add_special_tokens=False))[:limits.max_obs_tokens], False)
     order = [trajs[i] for g in groups for i in g]
     index = {t.pos: k for k, t in enumerate(order)}
-    sampler = HFSampler(model, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
     kit.toolbox.take_counts()
     for done in run_trajectories(order, [[index[i] for i in g] for g in groups], sampler, tokenizer, limits,
-                                 kit.fmt.stop, seed):
+                                 kit.fmt.stop, seed, record=record):
         finished = [order[k] for k in done]
         for t in finished:
             if t.env is not None:

@@ -195,7 +195,9 @@ class ToolBox:
                 finally:
                     done.set()
             threading.Thread(target=target, name=f"rlgraph_tool_{t.name}", daemon=True).start()
-        if not done.wait(limit or None):
+        # a coroutine is cancelled by wait_for at its limit: wait a little past it for that answer
+        grace = 1.0 if inspect.iscoroutinefunction(t.fn) else 0.0
+        if not done.wait(limit + grace if limit else None):
             with self._lock:
                 self.counts.abandoned += 1
             return ToolResult(f"error: tool {t.name!r} timed out after {limit:g}s", error=True, timeout=True)
@@ -235,9 +237,14 @@ class ToolBox:
         return out
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+        """Stop the loop of async tools, cancelling calls still running on it."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            def stop() -> None:
+                for task in asyncio.all_tasks(loop):
+                    task.cancel()
+                loop.call_soon(loop.stop)
+            loop.call_soon_threadsafe(stop)
 
 
 def describe(tools: Sequence[Tool]) -> list[dict[str, Any]]:

@@ -17,6 +17,10 @@ Answers are one or two characters, so a 2-layer, 64-wide model can learn them in
 - ``count``: ``"count a in abcab"`` -> ``"2"``; letters from ``abc``, 3-8 letters long. Harder:
   300 warm-start steps reach ~30% (sampled) and RL gains little in minutes; use it to see a
   pipeline run, not to see learning.
+- ``mul``: ``"47*8="`` -> ``"376"``: beyond the tiny model unaided; the agent example's model
+  learns to ask a calculator tool (examples/agent_tools.py).
+- ``guess``: ``"guess 1234:"``, a hidden digit 1-9 (the ground truth) found by guessing, an
+  environment answering higher or lower (examples/agent_guess.py).
 
 Train and test prompts are disjoint: a prompt belongs to the test split when a stable hash of
 its text is 0 mod 5 (about a fifth of the prompt space), so held-out accuracy measures
@@ -62,9 +66,23 @@ def _count(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
     return f"count {letter} in {word}", str(word.count(letter)), {"letter": letter, "word": word}
 
 
+def _mul(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    a, b = rng.randrange(10, 100), rng.randrange(2, 10)
+    return f"{a}*{b}=", str(a * b), {"a": a, "b": b}
+
+
+def _guess(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    game, target = rng.randrange(10000), rng.randint(1, 9)
+    return f"guess {game}:", str(target), {"game": game}
+
+
 TASKS: Mapping[str, Task] = MappingProxyType({
     "add": Task("add", "sum of two digits: '3+4=' -> '7' (answers 0-18)", "0123456789+=", _add),
     "count": Task("count", "occurrences of a letter: 'count a in abcab' -> '2'", "0123456789abcotuni ", _count),
+    "mul": Task("mul", "a two-digit times a one-digit number: '47*8=' -> '376' (for a calculator tool)",
+                "0123456789*=", _mul),
+    "guess": Task("guess", "a hidden digit 1-9 to find by guessing, told higher or lower (an environment task)",
+                  "0123456789guess :", _guess),
 })
 
 # every character a built-in task's prompt or answer uses (all within models.DEFAULT_CHARS)

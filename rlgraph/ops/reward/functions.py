@@ -28,6 +28,7 @@ __all__ = [
     "parse_answer",
     "exact_match",
     "compute_score",
+    "final_answer_match",
     "load_reward_fn",
     "score_batch",
     "normalise_score",
@@ -56,10 +57,21 @@ def exact_match(solution_str: str, ground_truth: str) -> float:
     return 1.0 if parse_answer(solution_str) == str(ground_truth).strip() else 0.0
 
 
+_OBSERVATION_END = re.compile(r"(?:\)|\]|</tool_response>)")
+
+
+def final_answer_match(solution_str: str, ground_truth: str) -> float:
+    """`exact_match` of the text after the response's last tool result (a ``)``, ``]`` or
+    ``</tool_response>``): the answer an agent gives once its tools have answered."""
+    return exact_match(_OBSERVATION_END.split(solution_str)[-1], ground_truth)
+
+
 # data_source -> scorer(solution_str, ground_truth); the names are the tasks in rlgraph.ops.data.tasks
 _SCORERS: dict[str, Callable[[str, str], float]] = {
     "add": exact_match,
     "count": exact_match,
+    "mul": final_answer_match,
+    "guess": exact_match,
 }
 
 

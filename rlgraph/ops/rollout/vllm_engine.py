@@ -96,6 +96,7 @@ class VLLMEngine:
         self.llm: Any = None
         self.start_s = 0.0
         self.label = 0  # the label of the weights it holds (the model's own at start)
+        self.prefix_cache_reset = True  # whether the last load_weights emptied the prefix cache
         self._calls = 0
         self._start()
 
@@ -189,14 +190,15 @@ class VLLMEngine:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, top_k: int,
                  max_tokens: int, stop_token_ids: Sequence[int], seeds: Sequence[int], logprobs: bool,
-                 refresh: Callable[[], bool] | None = None) -> Iterator[Finished]:
+                 refresh: Callable[[], bool] | None = None, stop: Sequence[str] = ()) -> Iterator[Finished]:
         """Submit every prompt at once; yield a `Finished` for each prompt as soon as all its `n`
         samples are done.
 
         `refresh` (partial rollout) is called between engine steps; it may load newer weights
         (`load_weights`), and requests in flight go on under them. Each sample reports the weight
         label (`load_weights`' ``label``) of its first and of its last token, from vLLM's own
-        per-token weight-version spans."""
+        per-token weight-version spans. `stop`: strings that end a sample (kept in it; an agent's
+        tool-call end), at the cost of detokenising as it goes."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -211,7 +213,8 @@ class VLLMEngine:
             for i, (p, seed) in enumerate(zip(prompts, seeds)):
                 params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                         stop_token_ids=list(stop_token_ids), seed=int(seed),
-                                        logprobs=0 if logprobs else None, detokenize=False,
+                                        logprobs=0 if logprobs else None, detokenize=bool(stop),
+                                        stop=list(stop) or None, include_stop_str_in_output=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY)  # all n samples, once done
                 rid = f"{tag}-{i}"
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
@@ -266,6 +269,10 @@ class VLLMEngine:
                 self.llm.collective_rpc("load_safetensors_bytes", args=(blob,))
                 engine.set_weight_version(str(label))
                 self.label = label
+                # cached prefixes hold keys and values of the old weights: a prompt seen before (the same
+                # prompt next step, an agent's history) must not reuse them. With requests in flight
+                # (partial rollout) vLLM keeps the blocks they hold and this drops the rest
+                self.prefix_cache_reset = bool(self.llm.reset_prefix_cache())
             finally:
                 if pausable:
                     core.call_utility("resume_scheduler")

@@ -178,12 +178,9 @@ class ActorWorker(TrainerMixin):
                       **settings: Any) -> Iterator[tuple[list[int], dict[str, Any]]]:
         """Multi-turn rollouts with tools or an environment (`rlgraph.ops.agents`); yields each finished
         group. `settings`: the agent's rollout.* keys (AgentSettings) and the generate op's others."""
-        from rlgraph.ops.agents.loop import AgentLimits
+        from rlgraph.ops.agents.loop import AgentLimits, HFSampler, VLLMSampler
         from rlgraph.ops.agents.rollout import agent_parts, load_kit
 
-        if self.backend != "hf":
-            raise OpError("the agent rollout runs on transformers (rollout.backend=hf) for now; vLLM's token-ids-in "
-                          "turns are not wired yet. Set rollout.backend=hf")
         self._sync(policy_weights)
         key = (settings["env"], settings["tools"], settings["tool_format"], settings["tool_concurrency"],
                settings["tool_timeout_s"])
@@ -195,11 +192,16 @@ class ActorWorker(TrainerMixin):
                              env_timeout_s=settings["env_timeout_s"])
         prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
         metrics: dict[str, float] = {}
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs="rollout_log_probs" in ctx.wanted)
+        if self.backend == "vllm":  # turns go to this rank's engine as token ids
+            metrics.update(self._engine_ready(ctx.rank))
+            sampler: Any = VLLMSampler(self.rollout_engine, self.tokenizer, **sampling)
+        else:
+            sampler = HFSampler(self.model, self.tokenizer, **sampling)
         data = {"data_source": data_source, "ground_truth": ground_truth, "extra_info": extra_info}
-        for rows, cols in agent_parts(self.model, self.tokenizer, kits[key], prompts, ctx.is_padding, data,
-                                      n=ctx.group_size, seed=ctx.seed, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, limits=limits, logprobs="rollout_log_probs" in ctx.wanted,
-                                      metrics=metrics):
+        for rows, cols in agent_parts(sampler, self.tokenizer, kits[key], prompts, ctx.is_padding, data,
+                                      n=ctx.group_size, seed=ctx.seed, limits=limits, metrics=metrics,
+                                      record=getattr(ctx, "event", None)):
             cols["policy_version"] = torch.full((len(rows),), self.policy_version, dtype=torch.int64)
             cols["policy_version_end"] = torch.full((len(rows),), self.policy_version, dtype=torch.int64)
             yield rows, cols
