@@ -28,10 +28,18 @@ def test_task_rows_follow_verls_layout_and_have_correct_answers(name):
         assert set(r) == {"prompt", "data_source", "reward_model", "extra_info"}
         assert r["data_source"] == name and r["prompt"][0]["role"] == "user"
         assert r["extra_info"]["index"] == i and r["extra_info"]["split"] == "train"
-        info, gt = r["extra_info"], r["reward_model"]["ground_truth"]
-        expected = info["a"] + info["b"] if name == "add" else info["word"].count(info["letter"])
-        assert gt == str(expected) and 1 <= len(gt) <= 2
-        assert set(r["prompt"][0]["content"] + gt) <= set(tasks.TASKS[name].chars)
+        info, gt, content = r["extra_info"], r["reward_model"]["ground_truth"], r["prompt"][0]["content"]
+        if name == "add":
+            assert content == f"{info['a']}+{info['b']}=" and gt == str(info["a"] + info["b"]) and len(gt) <= 2
+        elif name == "count":
+            assert gt == str(info["word"].count(info["letter"])) and len(gt) == 1
+        elif name == "mul":
+            assert content == f"{info['a']}*{info['b']}=" and gt == str(info["a"] * info["b"])
+            assert 10 <= info["a"] <= 99 and 2 <= info["b"] <= 9
+        else:  # guess: the hidden digit is the ground truth, never in the prompt
+            assert name == "guess" and gt in "123456789" and len(gt) == 1
+            assert content == f"guess {info['game']}:"
+        assert set(content + gt) <= set(tasks.TASKS[name].chars)
 
 
 @pytest.mark.parametrize("name", sorted(tasks.TASKS))
@@ -56,8 +64,8 @@ def test_write_task_round_trips_parquet_and_jsonl(tmp_path):
         assert read_table_rows(path, reader="local") == rows
     with pytest.raises(ValueError, match="use a .parquet or .jsonl"):
         tasks.write_task("count", tmp_path / "c.csv", 2)
-    with pytest.raises(ValueError, match="unknown task 'mul'; the built-in tasks are add, count"):
-        tasks.make_rows("mul", 2)
+    with pytest.raises(ValueError, match="unknown task 'nope'; the built-in tasks are add, count, guess, mul"):
+        tasks.make_rows("nope", 2)
 
 
 def _write(path, rows):
