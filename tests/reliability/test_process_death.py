@@ -58,18 +58,19 @@ def _start(out: Path, backend: str = "transferqueue", *extra: str, pipeline: str
                             start_new_session=True)
 
 
-def _run(out: Path, backend: str, victim: str | None = None, after: int = 2,
+def _run(out: Path, backend: str, victim: str | None = None, after: int = 2, step_s: float = 1.0,
          **how: object) -> tuple[int, str, list[dict], float]:
     """`rlgraph run` the streaming pipeline (or `how`'s); with `victim`, kill -9 every process whose
     command line starts with it (or, for "forkserver", names it: a reward pool's scoring processes)
     `_kill_delay(victim)` seconds after the record of step `after` - 1 is written (default: into
-    step 2). Returns (exit code, output, records, seconds the run took after the kill)."""
+    step 2; `step_s`: how long a step of this run takes, which scales the draw). Returns (exit code,
+    output, records, seconds the run took after the kill)."""
     proc = _start(out, backend, **how)  # type: ignore[arg-type]
     killed_at = None
     try:
         while victim and killed_at is None and proc.poll() is None:
             if len(_records(out)) >= after:
-                time.sleep(_kill_delay(victim))
+                time.sleep(_kill_delay(victim) * step_s)
                 targets = [p for p in psutil.Process(proc.pid).children(recursive=True) if _titled(p, victim)]
                 assert targets, f"no process titled {victim!r} under the run"
                 for p in targets:
@@ -145,7 +146,10 @@ def test_a_killed_reward_scoring_process_costs_no_sample(tmp_path):
            "args": ("reward.executor=process", "reward.concurrency=2")}
     code, text, clean, _ = _run(tmp_path / "clean", "transferqueue", **how)
     assert code == 0, text
-    code, text, records, after_kill = _run(tmp_path / "run", "transferqueue", "forkserver", **how)
+    # a step of the example takes about 0.1 s, not the streaming pipeline's 1 s: the kill point's
+    # draw is a fraction of the clean run's step, so the pool is still there to be killed
+    step_s = sorted(r["timing/step_s"] for r in clean)[len(clean) // 2]
+    code, text, records, after_kill = _run(tmp_path / "run", "transferqueue", "forkserver", step_s=step_s, **how)
     assert code == 0, text
     assert _scores(records) == _scores(clean) and len(records) == STEPS
     assert all(r.get("reward/mean") == c.get("reward/mean") for r, c in zip(records, clean))

@@ -82,6 +82,7 @@ def test_the_plan_picture_names_the_environment(model_dir, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_turns_on_vllm_take_token_ids_and_the_run_trains(model_dir, tq_plane, tmp_path):
     """rollout.backend=vllm: each turn's histories go to the engine as token ids; the trajectories
     keep their masks and the schedules still agree."""
