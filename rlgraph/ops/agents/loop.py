@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import torch
 
 from rlgraph.ops.agents.env import Environment, as_step_result, call_maybe_async
+from rlgraph.ops.rollout.parts import _cut
 from rlgraph.seeds import stable_seed
 
 __all__ = ["AgentLimits", "HFSampler", "Sampler", "Trajectory", "VLLMSampler", "chat_observations", "observation_ids", "run_trajectories", "summary"]
@@ -82,11 +83,7 @@ class Sampler(Protocol):
 
 def _stop_cut(tokenizer: Any, ids: list[int], stop: Sequence[str], eos: set[int]) -> int:
     """Length of `ids` up to and including the first EOS or the token that completes a stop string."""
-    end = len(ids)
-    for k, t in enumerate(ids):
-        if t in eos:
-            end = k + 1
-            break
+    end = _cut(ids, eos)
     if stop:
         text = tokenizer.decode(ids[:end])
         if any(s in text for s in stop):  # the shortest prefix whose text holds a stop string
@@ -102,16 +99,14 @@ def _stop_cut(tokenizer: Any, ids: list[int], stop: Sequence[str], eos: set[int]
 
 
 def _filter(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """transformers' top-k then top-p filtering of `[B, V]` scores (removed entries at -inf)."""
-    if top_k and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+    """transformers' own top-k then top-p warpers on `[B, V]` scores (removed entries at -inf), as
+    its ``generate`` applies them."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - top_p)
-        remove[:, -1] = False  # keep at least the most likely token
-        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        scores = TopPLogitsWarper(top_p)(None, scores)
     return scores
 
 
