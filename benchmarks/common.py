@@ -227,7 +227,9 @@ def shutdown() -> None:
 def quiet_runner_options(out_dir: Path, **kw: Any) -> Any:
     from rlgraph.runtime.runner import RunOptions
 
-    return RunOptions(out_dir=Path(out_dir), timeout_s=kw.pop("timeout_s", 300.0), **kw)
+    # a benchmark run replaces the last one in its directory
+    return RunOptions(out_dir=Path(out_dir), timeout_s=kw.pop("timeout_s", 300.0), overwrite=kw.pop("overwrite", True),
+                      **kw)
 
 
 FINDINGS = ROOT / "benchmarks" / "findings.md"

@@ -52,7 +52,7 @@ def default_steps(example: str) -> int:
 def run_one(example: str, seed: int, out_root: Path) -> dict:
     out = out_root / f"{example}-seed{seed}"
     cmd = [str(Path(sys.executable).with_name("rlgraph")), "run", f"examples/{example}.py", "-o", str(out),
-           f"trainer.seed={seed}"]
+           "--overwrite", f"trainer.seed={seed}"]  # a benchmark run replaces the last one
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=3600)
     wall = time.time() - t0

@@ -51,7 +51,7 @@ def _cluster() -> Any:
 
 
 def _run(address: str, out: Path, steps: int, locality: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "rlgraph.cli", "run", str(GRPO), "-o", str(out), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "rlgraph.cli", "run", str(GRPO), "-o", str(out), "--overwrite", "--steps", str(steps),
            "--timeout", "300", "--address", address, *SPREAD, f"dataplane.locality={locality}",
            "trainer.logger=[jsonl]"]
     proc = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=1800)

@@ -59,7 +59,7 @@ def _model() -> str:
 
 def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, Any]:
     cmd = [str(common.ROOT / ".venv" / "bin" / "rlgraph"), "run", str(common.ROOT / "examples" / example), "-o",
-           str(out), "--steps", str(steps), f"data.batch_size={batch}", f"actor.mini_batch_size={batch}", f"trainer.seed={seed}",
+           str(out), "--overwrite", "--steps", str(steps), f"data.batch_size={batch}", f"actor.mini_batch_size={batch}", f"trainer.seed={seed}",
            "trainer.logger=[jsonl]"]
     t0 = time.time()
     log_file = out.with_suffix(".log")

@@ -50,6 +50,12 @@ class _UserError(click.ClickException):
     exit_code = 1
 
 
+class _Refused(click.ClickException):
+    """A run refused before it starts (its directory holds an earlier run, cannot be written): exit status 2."""
+
+    exit_code = 2
+
+
 # the last "rlgraph.<module>.<Class>: message" in a Ray error's text (a traceback ends with it)
 _REMOTE_ERROR = re.compile(r"^(rlgraph(?:\.\w+)+)\.(\w+): ", re.MULTILINE)
 _ACTOR_INIT = re.compile(r"ray::(\w+)\.__init__\(\)")
@@ -282,7 +288,12 @@ def _interrupt_on_signals() -> None:
               help="stream: ops start on partial data; sync: a barrier after each stage [default: trainer.schedule].")
 @click.option("--address", default=None, metavar="ADDR",
               help="Join this Ray cluster instead of starting Ray locally on 127.0.0.1.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in DIR.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in DIR (needs trainer.save_every).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the earlier run in DIR (its metrics, checkpoints, traces and charts are deleted).")
+@click.option("--fallback", is_flag=True,
+              help="With --resume: if the latest checkpoint fails its checksums, resume from the newest good one "
+                   "(the damaged one is moved aside, never deleted).")
 @click.option("--dataplane", type=click.Choice(["transferqueue", "ray"]), default=None,
               help="Where columns live between ops [default: dataplane.backend].")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
@@ -293,8 +304,8 @@ def _interrupt_on_signals() -> None:
               help="trace.json and timeline.svg show the op calls of this many latest steps (0: all; the driver "
                    "keeps them in memory).")
 def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: int | None, schedule: str | None,
-        address: str | None, resume: bool, dataplane: str | None, timeout_s: float, verbose: bool,
-        trace_steps: int) -> None:
+        address: str | None, resume: bool, overwrite: bool, fallback: bool, dataplane: str | None, timeout_s: float,
+        verbose: bool, trace_steps: int) -> None:
     """Run a plan (or compile and run a pipeline) on Ray.
 
     Writes DIR/metrics.jsonl (one JSON object per step), DIR/reward_curve.svg, DIR/trace.json
@@ -303,8 +314,16 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     """
     import threading
 
+    if fallback and not resume:
+        raise click.UsageError("--fallback chooses which checkpoint --resume continues from; give it with --resume")
     plan = _plan_or_compile(target, overrides)
     out = out_dir or Path("runs") / plan.pipeline
+    from rlgraph.runtime.rundir import RunDirError, check_run_dir
+
+    try:  # before anything starts or is written: an earlier run in DIR is never overwritten by accident
+        check_run_dir(out, resume=resume, overwrite=overwrite)
+    except RunDirError as e:
+        raise _Refused(str(e)) from None
     what = "loaded" if _is_plan(target) else "compiled"
     click.echo(f"{what} {plan.pipeline!r}: {len(plan.ops)} ops in {len(plan.schedule.stages)} stages, "
                f"{len(plan.groups)} worker groups; {_padding_line(plan)}", err=True)
@@ -346,6 +365,7 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         from rlgraph.runtime.runner import RunOptions, Runner
 
         options = RunOptions(out_dir=out, steps=steps, schedule=schedule, address=address, resume=resume,
+                             overwrite=overwrite, fallback=fallback,
                              timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out, plan),
                              on_ray_started=_interrupt_on_signals, verbose=verbose, trace_steps=trace_steps,
                              keep_records=False, ray=ray_handle)  # metrics.jsonl has every record

@@ -17,6 +17,8 @@ group-unused                a worker group that runs no op (it would hold resour
 column-missing              an input column that no op and not the data source produces
 column-duplicate-producer   a column produced by two ops (or an op and the data source)
 column-type-mismatch        producer and consumer disagree on dtype, shape or kind
+column-kind-mismatch        a state column read as this step's data, or data read as state
+pool-unknown                a group's pool names no group and is shared with none (a typo)
 output-missing              a declared pipeline output that nothing produces
 summary-column              a summary that names a column nothing produces, or one that is
                             not a per-sample numeric data column
@@ -91,6 +93,15 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                         + _close(o.group, group_names),
                         f"add WorkerGroup({o.group!r}, ...) to the pipeline's groups, or use one of: "
                         f"{', '.join(group_names) or '(none declared)'}", op=o.name))
+    if not any(pr.code == "config-type" for pr in problems):
+        for pool, members in g.pools.items():  # a pool names a group (colocation) or is shared by several
+            if len(members) == 1 and pool != members[0].name and pool not in group_names:
+                gr = members[0].name
+                add(Problem("pool-unknown", f"worker group {gr!r} names pool {pool!r}, which is no worker group's "
+                            f"name and no other group's pool" + _close(pool, group_names),
+                            f"to share another group's devices name that group (groups.{gr}.pool=<group>, one of: "
+                            f"{', '.join(n for n in group_names if n != gr)}), or leave pool unset for a pool of "
+                            f"its own"))
     used = {o.group for o in p.ops}
     for gr in dict.fromkeys(group_names):
         if gr not in used:
@@ -126,7 +137,21 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
                 continue
             have = g.column_types[col]
             why = have.compatible_with(want)
-            if why:
+            if why and why.startswith("kind ") and "metric" not in (have.kind, want.kind):
+                if have.kind == "state":  # written as cross-step state, read as this step's data
+                    add(Problem("column-kind-mismatch",
+                                f"op {o.name!r} reads column {col!r} as this step's data, but {prods[0]!r} writes it "
+                                f"as cross-step state (read in the next step)",
+                                f"declare the input {col!r} of {o.name!r} as state, `{col}: T.{want.dtype}(...).state()` "
+                                f"(the value written in the previous step), or have {prods[0]!r} output it as data",
+                                op=o.name, column=col))
+                else:
+                    add(Problem("column-kind-mismatch",
+                                f"op {o.name!r} reads column {col!r} as cross-step state, but {prods[0]!r} writes it "
+                                f"as this step's data",
+                                f"drop .state() from the input {col!r} of {o.name!r} to read this step's values, or have "
+                                f"{prods[0]!r} output it with .state()", op=o.name, column=col))
+            elif why:
                 add(Problem("column-type-mismatch",
                             f"column {col!r}: {prods[0]!r} writes {have.describe()} but {o.name!r} reads "
                             f"{want.describe()} ({why})",

@@ -78,6 +78,22 @@ class Param:
             return f"{value!r} is below the minimum {self.minimum!r}"
         return None
 
+    def fix_for(self, key: str, value: Any, override: bool = False) -> str:
+        """The fix for `value` failing `check` at `key`: the choices, the minimum, or the type (written as
+        an override's ``key=...`` when `override`)."""
+        if self.choices is not None and self.check(value) and isinstance(value, self.type) and not isinstance(value, bool):
+            close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1, cutoff=0.5)
+            mean = f" (did you mean {close[0]!r}?)" if close else ""
+            shown = ", ".join(str(c) if override else repr(c) for c in self.choices)
+            return (f"write {key}= one of {shown}" if override else f"give {key!r} one of {shown}") + mean
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.minimum is not None and numeric and value < self.minimum:
+            low = int(self.minimum) if self.type is int else self.minimum
+            return f"write {key}=<{self.type_name} >= {low}>" if override else f"give {key!r} a value of at least {low}"
+        if self.type is float and numeric and not math.isfinite(value):
+            return f"write {key}=<a finite float>" if override else f"give {key!r} a finite number"
+        return f"write {key}=<{self.type_name}>" if override else f"give {key!r} a value of type {self.type_name}"
+
     def parse(self, text: str) -> Any:
         """Parse a command-line string by this param's type; raises ValueError with the reason."""
         t = text.strip()
@@ -187,8 +203,7 @@ def resolve_config(
         err = param.check(value)
         if err:
             problems.append(
-                Problem("config-type", f"config key {key!r} in the pipeline: {err}",
-                        f"give {key!r} a value of type {param.type_name}")
+                Problem("config-type", f"config key {key!r} in the pipeline: {err}", param.fix_for(key, value))
             )
             continue
         resolved[key] = value
@@ -207,9 +222,7 @@ def resolve_config(
             continue
         err = param.check(value)
         if err:
-            hint = (f"write {key}= one of {', '.join(str(c) for c in param.choices)}" if param.choices
-                    else f"write {key}=<{param.type_name}>")
-            problems.append(Problem("config-type", f"override {key}={text}: {err}", hint))
+            problems.append(Problem("config-type", f"override {key}={text}: {err}", param.fix_for(key, value, True)))
             continue
         resolved[key] = value
     return resolved, problems

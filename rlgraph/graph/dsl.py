@@ -80,6 +80,84 @@ def parse_loggers(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _shown(value: Any) -> str:
+    """A value as a message shows it: its type and a short repr."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _uncalled_type(value: Any) -> str | None:
+    """``T.float32`` (given without its call): the text to call it, else None."""
+    if callable(value) and getattr(value, "__qualname__", "").startswith("_TypeFactory."):
+        return f"T.{value.__name__}()"
+    return None
+
+
+_PLAIN_TYPES = {str: "T.str()", float: "T.float32()", int: "T.int64()", bool: "T.bool()", dict: "T.json()",
+                list: "T.json()"}
+
+
+def _column_type_problem(where: str, what: str, ctype: Any) -> str:
+    """The message for `what` (``output column 'score'``) of `where` typed `ctype`, not a ColumnType."""
+    call = _uncalled_type(ctype)
+    if call is not None:
+        return f"{where}: {what} is typed {call[:-2]} without its call; write {call}"
+    if ctype in _PLAIN_TYPES:
+        return (f"{where}: {what} is typed with the Python type {ctype.__name__}; column types come from T, e.g. "
+                f"{_PLAIN_TYPES[ctype]}")
+    return f"{where}: {what} is typed {ctype!r}; give a column type such as T.int64('response_len')"
+
+
+def _columns_arg(where: str, arg: str, value: Any) -> dict[str, ColumnType]:
+    """`value` of argument `arg` (outputs=, inputs=): a dict of column name -> column type."""
+    if not isinstance(value, Mapping):
+        example = "{'score': T.float32()}"
+        listed = ""
+        if isinstance(value, (list, tuple, set)) and all(isinstance(v, str) for v in value):
+            listed = f" ({', '.join(repr(v) + ': T.float32()' for v in list(value)[:2])}, say)"
+        raise DeclarationError(f"{where}: {arg}= must be a dict of column name -> column type, e.g. {arg}={example}; "
+                               f"got {_shown(value)}; give each column its type{listed}")
+    for col, ctype in value.items():
+        if not isinstance(col, str) or not col.isidentifier():
+            raise DeclarationError(f"{where}: {arg}= has column name {col!r}; column names are Python identifiers")
+        if not isinstance(ctype, ColumnType):
+            raise DeclarationError(_column_type_problem(where, f"{arg[:-1]} column {col!r}", ctype))
+    return dict(value)
+
+
+def _names_arg(where: str, arg: str, value: Any) -> tuple[str, ...]:
+    """`value` of argument `arg`: names, as a list or tuple of strings (a lone string is one name)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Mapping) or not isinstance(value, Iterable):
+        raise DeclarationError(f"{where}: {arg}= must be a list of names, e.g. {arg}=['name']; got {_shown(value)}")
+    names = tuple(value)
+    for v in names:
+        if not isinstance(v, str):
+            raise DeclarationError(f"{where}: {arg}= must be a list of names (strings); it holds {_shown(v)}")
+    return names
+
+
+def _check_setting(where: str, arg: str, value: Any, param: Param, key: str) -> None:
+    """A declaration's argument checked against its config key's `param` (type, choices, minimum)."""
+    err = param.check(value)
+    if err:
+        raise DeclarationError(f"{where}: {arg}={value!r}: {err}; {param.fix_for(arg, value)} "
+                               f"(it is config key {key})")
+
+
+def _unknown_names(where: str, arg: str, names: Iterable[str], have: list[str], what: str) -> None:
+    """`names` given to `arg` must all be among `have` (the pipeline's ops, groups or outputs)."""
+    for n in names:
+        if n not in have:
+            close = difflib.get_close_matches(n, have, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise DeclarationError(f"{where}: {arg}= names {what} {n!r}, which the pipeline does not have{hint}; "
+                                   f"its {what}s are {', '.join(have) or '(none)'}")
+
+
 @dataclass(frozen=True)
 class Batching:
     """How an op splits the batch: names of its params giving the sizes.
@@ -136,24 +214,30 @@ class OpSpec:
     recomputes: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
-        object.__setattr__(self, "outputs", MappingProxyType(dict(self.outputs)))
-        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
-        object.__setattr__(self, "optional_inputs", frozenset(self.optional_inputs))
-        where = f"op {self.name!r}"
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise DeclarationError(f"op name {self.name!r} must be a Python identifier")
+        where = f"op {self.name!r}"
+        object.__setattr__(self, "inputs", MappingProxyType(_columns_arg(where, "inputs", self.inputs)))
+        object.__setattr__(self, "outputs", MappingProxyType(_columns_arg(where, "outputs", self.outputs)))
+        if not isinstance(self.params, Mapping):
+            raise DeclarationError(f"{where}: params= must be a dict of name -> Param; got {_shown(self.params)}")
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "optional_inputs",
+                           frozenset(_names_arg(where, "optional_inputs", self.optional_inputs)))
+        if self.group is not None and (not isinstance(self.group, str) or not self.group.isidentifier()):
+            hint = (f"; give its name, group={self.group.name!r}" if isinstance(self.group, WorkerGroup)
+                    else "; give the name of a WorkerGroup of the pipeline, e.g. group='actor'")
+            raise DeclarationError(f"{where}: group= must be a worker group's name; got {_shown(self.group)}{hint}")
+        if self.batching is not None and not isinstance(self.batching, Batching):
+            raise DeclarationError(f"{where}: batching= must be a Batching(...); got {_shown(self.batching)}")
+        if not isinstance(self.cost, (int, float)) or isinstance(self.cost, bool) or not self.cost >= 0:
+            raise DeclarationError(f"{where}: cost= must be a number >= 0; got {_shown(self.cost)}")
         if self.granularity not in GRANULARITIES:
+            close = difflib.get_close_matches(str(self.granularity), GRANULARITIES, n=1, cutoff=0.4)
             raise DeclarationError(
                 f"{where}: granularity {self.granularity!r} must be one of {', '.join(GRANULARITIES)}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
             )
-        for kind, cols in (("input", self.inputs), ("output", self.outputs)):
-            for col, ctype in cols.items():
-                if not isinstance(ctype, ColumnType):
-                    raise DeclarationError(
-                        f"{where}: {kind} column {col!r} is typed {ctype!r}; give a column type such as "
-                        f"T.int64('response_len')"
-                    )
         if not self.outputs:
             raise DeclarationError(f"{where} declares no output columns; an op must produce something")
         unknown_opt = self.optional_inputs - set(self.inputs)
@@ -228,7 +312,7 @@ def _param_from_signature(opname: str, p: inspect.Parameter, annotation: Any) ->
 def op(
     fn: Callable | None = None,
     *,
-    outputs: Mapping[str, ColumnType],
+    outputs: Mapping[str, ColumnType] | None = None,
     inputs: Mapping[str, ColumnType] | None = None,
     name: str | None = None,
     granularity: Granularity = "sample",
@@ -258,7 +342,17 @@ def op(
     """
 
     def declare(f: Callable) -> Callable:
+        if not callable(f):
+            raise DeclarationError(f"@rlgraph.op decorates a function or method; got {_shown(f)}")
         opname = name or f.__name__
+        if outputs is None:
+            raise DeclarationError(
+                f"op {opname!r}: @rlgraph.op needs outputs=, the columns it produces; write "
+                f"@rlgraph.op(outputs={{'score': T.float32()}}, group='...') above {f.__name__}()")
+        if name is not None and not isinstance(name, str):
+            raise DeclarationError(f"op {f.__name__!r}: name= must be a string; got {_shown(name)}")
+        if inputs is not None:
+            _columns_arg(f"op {opname!r}", "inputs", inputs)
         sig = inspect.signature(f)
         try:
             ann = inspect.get_annotations(f, eval_str=True)
@@ -281,6 +375,9 @@ def op(
                     prm[p.name] = _param_from_signature(opname, p, ann.get(p.name))
                 continue
             ctype = given.pop(p.name, None) or ann.get(p.name)
+            if ctype is not None and not isinstance(ctype, ColumnType) and (
+                    _uncalled_type(ctype) or ctype in _PLAIN_TYPES):
+                raise DeclarationError(_column_type_problem(f"op {opname!r}", f"input parameter {p.name!r}", ctype))
             if not isinstance(ctype, ColumnType):
                 raise DeclarationError(
                     f"op {opname!r}: input parameter {p.name!r} has no column type; annotate it, e.g. "
@@ -330,9 +427,19 @@ def op_spec(obj: Any) -> OpSpec:
     spec = getattr(obj, "__rlgraph_op__", None)
     if isinstance(spec, OpSpec):
         return spec
-    raise DeclarationError(
-        f"{obj!r} is not an operator; decorate it with @rlgraph.op(outputs=...) or pass an OpSpec"
-    )
+    raise DeclarationError(_not_an_op(obj))
+
+
+def _not_an_op(obj: Any, where: str = "") -> str:
+    if inspect.isfunction(obj) and obj.__module__.startswith("rlgraph.ops"):
+        return (f"{where}{obj.__module__.rsplit('.', 1)[-1]}.{obj.__name__} is a stage factory, not an op: call it, "
+                f"e.g. {obj.__module__.rsplit('.', 1)[-1]}.{obj.__name__}(group='actor')")
+    if inspect.isfunction(obj) or inspect.ismethod(obj):
+        return (f"{where}function {obj.__qualname__!r} is not an operator; decorate it with "
+                f"@rlgraph.op(outputs={{...}}), or call it if it is a factory that returns an op")
+    if isinstance(obj, WorkerGroup):
+        return f"{where}WorkerGroup({obj.name!r}) is a worker group, not an op; list it in groups="
+    return f"{where}{_shown(obj)} is not an operator; decorate a function with @rlgraph.op(outputs=...) or pass an OpSpec"
 
 
 @dataclass(frozen=True)
@@ -356,9 +463,15 @@ class WorkerGroup:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise DeclarationError(f"worker group name {self.name!r} must be a Python identifier")
-        if self.placement not in PLACEMENTS:
-            raise DeclarationError(f"worker group {self.name!r}: placement={self.placement!r}; use one of "
-                                   f"{', '.join(PLACEMENTS)}")
+        where = f"worker group {self.name!r}"
+        params = params_of(GroupSettings, pool=self.name)
+        for arg in ("dp", "num_cpus", "num_gpus", "placement", "torch_threads"):
+            _check_setting(where, arg, getattr(self, arg), params[arg], f"groups.{self.name}.{arg}")
+        if self.pool is not None and (not isinstance(self.pool, str) or not self.pool.isidentifier()):
+            raise DeclarationError(f"{where}: pool={self.pool!r} must be the name of a worker group whose devices it "
+                                   f"shares (a Python identifier), or None for a pool of its own")
+        if not isinstance(self.doc, str):
+            raise DeclarationError(f"{where}: doc= must be a string; got {_shown(self.doc)}")
 
     def params(self) -> dict[str, Param]:
         """Its ``groups.<name>.*`` keys, defaulting to what it declares."""
@@ -373,6 +486,11 @@ class Cluster:
     num_nodes: int = default_of(ClusterSettings, "num_nodes")
     cpus_per_node: float = default_of(ClusterSettings, "cpus_per_node")
     gpus_per_node: float = default_of(ClusterSettings, "gpus_per_node")
+
+    def __post_init__(self) -> None:
+        params = params_of(ClusterSettings)
+        for arg in ("num_nodes", "cpus_per_node", "gpus_per_node"):
+            _check_setting("Cluster", arg, getattr(self, arg), params[arg], f"cluster.{arg}")
 
     def params(self) -> dict[str, Param]:
         """Its ``cluster.*`` keys, defaulting to what it declares."""
@@ -401,12 +519,15 @@ class DataSource:
             ref, file = _impl_ref(self.impl)
             object.__setattr__(self, "impl", ref)
             object.__setattr__(self, "impl_file", file)
+        if not isinstance(self.columns, Mapping):
+            raise DeclarationError(f"data source {self.name!r}: columns must be a dict of column name -> column type, "
+                                   f"e.g. DataSource({{'prompt': T.str()}}); got {_shown(self.columns)}")
         object.__setattr__(self, "columns", MappingProxyType(dict(self.columns)))
         prm = {**params_of(SourceSettings), **dict(self.params)}
         object.__setattr__(self, "params", MappingProxyType(prm))
         for col, ctype in self.columns.items():
             if not isinstance(ctype, ColumnType):
-                raise DeclarationError(f"data source column {col!r} is typed {ctype!r}; give a ColumnType")
+                raise DeclarationError(_column_type_problem(f"data source {self.name!r}", f"column {col!r}", ctype))
             if col in SYSTEM_COLUMNS:
                 raise DeclarationError(f"data source column {col!r} is a system column; do not declare it")
 
@@ -461,19 +582,60 @@ class Pipeline:
         summaries: Mapping[str, str] | None = None,
         validation: Iterable[str] = (),
     ) -> None:
+        if not isinstance(name, str) or not name:
+            raise DeclarationError(f"Pipeline(name=...) must be a non-empty string; got {_shown(name)}")
+        where = f"pipeline {name!r}"
         if not isinstance(source, DataSource):
-            raise DeclarationError(f"pipeline {name!r}: source must be a DataSource, got {source!r}")
+            if inspect.isfunction(source):
+                raise DeclarationError(f"{where}: source= is the function {source.__name__!r}, not a DataSource: call "
+                                       f"it, e.g. source={source.__name__}()")
+            if isinstance(source, Mapping) and all(isinstance(v, ColumnType) for v in source.values()):
+                raise DeclarationError(f"{where}: source= is a dict of columns; wrap it in a DataSource: "
+                                       f"source=DataSource({{{', '.join(repr(k) + ': ...' for k in list(source)[:2])}}})")
+            raise DeclarationError(f"{where}: source= must be a DataSource, e.g. DataSource({{'prompt': T.str()}}) or "
+                                   f"stages.prompt_source(); got {_shown(source)}")
+        if isinstance(getattr(ops, "__rlgraph_op__", ops), OpSpec):
+            alone = getattr(ops, "__name__", None) or op_spec(ops).name
+            raise DeclarationError(f"{where}: ops= is the op {op_spec(ops).name!r} alone; give a list: ops=[{alone}]")
+        if isinstance(ops, (str, Mapping)) or not isinstance(ops, Iterable):
+            raise DeclarationError(f"{where}: ops= must be a list of ops, e.g. ops=[judge, update]; got {_shown(ops)}")
+        ops = list(ops)
+        for i, o in enumerate(ops):
+            if not isinstance(o, OpSpec) and not isinstance(getattr(o, "__rlgraph_op__", None), OpSpec):
+                raise DeclarationError(_not_an_op(o, f"{where}: ops[{i}]: "))
+        if isinstance(groups, (str, Mapping, WorkerGroup)) or not isinstance(groups, Iterable):
+            raise DeclarationError(f"{where}: groups= must be a list of WorkerGroup objects, e.g. "
+                                   f"groups=[WorkerGroup('actor')]; got {_shown(groups)}")
         groups = tuple(groups)
-        for g in groups:
+        for i, g in enumerate(groups):
             if not isinstance(g, WorkerGroup):
-                raise DeclarationError(f"pipeline {name!r}: groups must be WorkerGroup objects, got {g!r}")
+                hint = f"; write WorkerGroup({g!r})" if isinstance(g, str) else ""
+                raise DeclarationError(f"{where}: groups[{i}] must be a WorkerGroup, got {_shown(g)}{hint}")
+        if cluster is not None and not isinstance(cluster, Cluster):
+            raise DeclarationError(f"{where}: cluster= must be a Cluster(...), e.g. Cluster(num_nodes=1, "
+                                   f"cpus_per_node=8); got {_shown(cluster)}")
+        if config is not None:
+            if not isinstance(config, Mapping):
+                raise DeclarationError(f"{where}: config= must be a dict of namespace -> {{key: value}}, e.g. "
+                                       f"config={{'actor': {{'lr': 1e-6}}}}; got {_shown(config)} (key=value strings "
+                                       f"are command-line overrides)")
+            for ns, values in config.items():
+                if not isinstance(ns, str):
+                    raise DeclarationError(f"{where}: config= has key {ns!r}; namespaces are strings such as 'actor'")
+                if "." not in ns and not isinstance(values, Mapping):
+                    raise DeclarationError(f"{where}: config[{ns!r}] is {_shown(values)}; a namespace holds a dict of "
+                                           f"its keys, e.g. config={{{ns!r}: {{'key': value}}}} (or write "
+                                           f"config={{'{ns}.key': value}})")
+        outputs = _names_arg(where, "outputs", outputs)
+        if summaries is not None and not isinstance(summaries, Mapping):
+            raise DeclarationError(f"{where}: summaries= must be a dict of column -> metric name, e.g. "
+                                   f"{{'token_level_scores': 'score'}}; got {_shown(summaries)}")
         summaries = dict(summaries or {})
         for col, metric in summaries.items():
             if not isinstance(col, str) or not isinstance(metric, str) or not metric or "/" in metric:
                 raise DeclarationError(f"pipeline {name!r}: summaries maps column names to metric names without "
                                        f"'/', e.g. {{'token_level_scores': 'score'}}; got {col!r}: {metric!r}")
-        if isinstance(validation, str):
-            validation = (validation,)
+        validation = _names_arg(where, "validation", validation)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "ops", tuple(op_spec(o) for o in ops))
@@ -498,21 +660,39 @@ class Pipeline:
         raise KeyError(f"no op {name!r} in pipeline {self.name!r}; ops are {[o.name for o in self.ops]}")
 
     def with_ops(self, *ops: Any, drop: Iterable[str] = ()) -> Pipeline:
-        """A new pipeline with some ops added (or replacing ones of the same name) or dropped."""
+        """A new pipeline with some ops added (or replacing ones of the same name) or dropped; each
+        name in `drop` must be one of its ops."""
+        where = f"pipeline {self.name!r}.with_ops()"
+        drop = _names_arg(where, "drop", drop)
+        _unknown_names(where, "drop", drop, [o.name for o in self.ops], "op")
         new = {o.name: o for o in self.ops if o.name not in set(drop)}
-        for o in ops:
+        for i, o in enumerate(ops):
+            if not isinstance(o, OpSpec) and not isinstance(getattr(o, "__rlgraph_op__", None), OpSpec):
+                raise DeclarationError(_not_an_op(o, f"{where}: argument {i + 1}: "))
             s = op_spec(o)
             new[s.name] = s
         return replace(self, ops=tuple(new.values()))
 
     def with_groups(self, *groups: WorkerGroup, drop: Iterable[str] = ()) -> Pipeline:
-        """A new pipeline with worker groups added (or replacing ones of the same name) or dropped."""
+        """A new pipeline with worker groups added (or replacing ones of the same name) or dropped;
+        each name in `drop` must be one of its groups."""
+        where = f"pipeline {self.name!r}.with_groups()"
+        drop = _names_arg(where, "drop", drop)
+        _unknown_names(where, "drop", drop, [g.name for g in self.groups], "worker group")
+        for i, g in enumerate(groups):
+            if not isinstance(g, WorkerGroup):
+                raise DeclarationError(f"{where}: argument {i + 1} must be a WorkerGroup, got {_shown(g)}")
         new = {g.name: g for g in self.groups if g.name not in set(drop)}
         new.update({g.name: g for g in groups})
         return replace(self, groups=tuple(new.values()))
 
     def with_outputs(self, *outputs: str, drop: Iterable[str] = ()) -> Pipeline:
-        """A new pipeline keeping other columns: `outputs` added, `drop` removed."""
+        """A new pipeline keeping other columns: `outputs` added, `drop` removed (each must be one of
+        its outputs)."""
+        where = f"pipeline {self.name!r}.with_outputs()"
+        drop = _names_arg(where, "drop", drop)
+        _unknown_names(where, "drop", drop, list(self.outputs), "output")
+        outputs = _names_arg(where, "outputs", outputs)
         keep = [c for c in self.outputs if c not in set(drop)] + [c for c in outputs if c not in self.outputs]
         return replace(self, outputs=tuple(keep))
 

@@ -181,6 +181,7 @@ class TrainerSettings(Section):
     verl: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "steps": ("trainer.total_training_steps",),
         "save_every": ("trainer.save_freq",),
+        "keep_checkpoints": ("trainer.max_actor_ckpt_to_keep",),
         "val_every": ("trainer.test_freq",),
         "project": ("trainer.project_name",),
         "run_name": ("trainer.experiment_name",),
@@ -197,6 +198,9 @@ class TrainerSettings(Section):
     save_every: int = Field(0, ge=0)
     """checkpoint every k steps (0: never); a failure that needs a restore replays the steps since the
     latest checkpoint"""
+    keep_checkpoints: int = Field(0, ge=0)
+    """the newest k checkpoints are kept, older ones deleted as a new one is written (0: keep all); keep 2 or
+    more for `rlgraph run --resume --fallback` to have a good one behind a damaged one"""
     max_retries: int = Field(2, ge=0)
     """failures (an op raised, a worker died) tolerated per step before the run fails; each one re-runs
     the lost work"""

@@ -9,6 +9,8 @@ Column names follow verl's, so reward code and metrics carry over.
 
 from __future__ import annotations
 
+import difflib
+
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -445,7 +447,10 @@ def _advantage_uses(params: Mapping[str, Any]) -> set[str]:
 def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) -> OpSpec:
     """Advantages and returns: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline); KL in reward."""
     if estimator not in ESTIMATORS:
-        raise DeclarationError(f"unknown advantage estimator {estimator!r}; use one of {', '.join(ESTIMATORS)}")
+        close = ["gae"] if str(estimator).lower() == "ppo" else difflib.get_close_matches(
+            str(estimator), list(ESTIMATORS), n=1, cutoff=0.7)
+        raise DeclarationError(f"unknown advantage estimator {estimator!r}; use one of {', '.join(ESTIMATORS)}"
+                               + (f" (did you mean {close[0]!r}?)" if close else ""))
     granularity = ESTIMATOR_NEEDS[estimator][0]
     return OpSpec(
         name="advantage",

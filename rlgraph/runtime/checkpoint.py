@@ -12,6 +12,13 @@ one ``<name>.json`` + ``<name>.safetensors`` pair per state (``<group>_<rank>`` 
 into place when complete (`write_checkpoint`); `read_checkpoint` reads one back, and
 `check_compatible` refuses to resume a run with a config other than the one that wrote it.
 
+Checkpoints prove themselves: `write_checkpoint` records every file's sha256 in ``meta.json``
+(``"files"``), fsyncs the files and the folder before the rename, and keeps the newest
+``trainer.keep_checkpoints``. `verify_checkpoint` checks the sums; `resume_checkpoint` picks the
+checkpoint a resumed run continues from, and raises `CheckpointDamaged` naming the damaged file and
+the newest good checkpoint, or (``fallback``) moves the damaged ones aside as ``step_<k>.damaged``
+and continues from that good one.
+
 Every load path here reads only JSON (`json.loads`) and safetensors (`safetensors.torch.load_file`,
 which parses a JSON header and raw tensor bytes); nothing calls `pickle`, `torch.load` or Ray's
 deserialiser on a file. A damaged file, or one from another checkpoint format, raises
@@ -20,8 +27,11 @@ deserialiser on a file. A damaged file, or one from another checkpoint format, r
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -34,7 +44,8 @@ from rlgraph.graph.plan import Plan
 
 __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
            "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
-           "RESUMABLE_KEYS", "state_skeleton", "load_part", "checkpoint_steps"]
+           "RESUMABLE_KEYS", "state_skeleton", "load_part", "checkpoint_steps", "CheckpointDamaged",
+           "verify_checkpoint", "resume_checkpoint", "file_sha256"]
 
 # v2: op bodies moved into ops/ families (reward.fn's default path changed) and the policy weights carry
 # their writing step as "step" and one "policy_version": a v1 checkpoint's config and weights do not fit
@@ -44,6 +55,14 @@ _TENSOR = "__tensor__"
 
 class CheckpointError(RLGraphError):
     """A state could not be saved (an object that is neither JSON nor a tensor) or loaded."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint file is missing or its sha256 differs from the one ``meta.json`` recorded."""
+
+    def __init__(self, message: str, ckpt: Path, file: str, good: Path | None) -> None:
+        super().__init__(message)
+        self.ckpt, self.file, self.good = ckpt, file, good
 
 
 def _split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -226,24 +245,132 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 # --------------------------------------------------------------------------- a run's checkpoints
 # config keys that may differ between a checkpoint and the run resuming it: they do not change results
-RESUMABLE_KEYS = ("trainer.steps", "trainer.val_every", "trainer.save_every", "trainer.max_retries",
+RESUMABLE_KEYS = ("trainer.steps", "trainer.val_every", "trainer.save_every", "trainer.keep_checkpoints",
+                  "trainer.max_retries",
                   "trainer.schedule", "trainer.logger", "trainer.project", "trainer.run_name")
 
 
-def write_checkpoint(out_dir: Path, step: int, states: Mapping[str, Any], plan: Plan) -> Path:
-    """Write `states` (name -> state) as ``out_dir/checkpoints/step_<step>``, complete or not at all."""
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a directory on a file system that cannot sync one
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(out_dir: Path, step: int, states: Mapping[str, Any], plan: Plan, keep: int = 0) -> Path:
+    """Write `states` (name -> state) as ``out_dir/checkpoints/step_<step>``, complete or not at all:
+    written into ``step_<step>.tmp``, every file's sha256 in meta.json, files and folder fsynced, then
+    renamed into place. With `keep` > 0 only the newest `keep` checkpoints stay."""
     d = Path(out_dir) / "checkpoints" / f"step_{step}"
     tmp = d.with_name(d.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     for name, state in states.items():
         save_state(state, tmp, name)
-    (tmp / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step,
-                                               "pipeline": plan.pipeline, "config": plan.config}))
+    files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step, "pipeline": plan.pipeline,
+                                               "config": plan.config, "files": files}))
+    for p in tmp.iterdir():
+        _fsync(p)
+    _fsync(tmp)
     if d.exists():
         shutil.rmtree(d)
     tmp.rename(d)
+    _fsync(d.parent)
+    if keep > 0:
+        for old in checkpoint_steps(out_dir)[:-keep]:
+            shutil.rmtree(Path(out_dir) / "checkpoints" / f"step_{old}", ignore_errors=True)
     return d
+
+
+def _damage(ckpt: Path) -> tuple[str, str] | None:
+    """The first file of `ckpt` that is missing or whose sha256 differs from meta.json's, with what is
+    wrong; None if every recorded file checks out."""
+    meta = read_meta(ckpt)
+    files = meta.get("files")
+    if files is None:
+        warnings.warn(f"checkpoint {str(ckpt)!r} records no checksums (written by an older rlgraph); it is used "
+                      f"unchecked", RuntimeWarning, stacklevel=3)
+        return None
+    if not isinstance(files, dict):
+        return "meta.json", f"its \"files\" entry is a JSON {type(files).__name__}, not an object of sha256 sums"
+    for name, digest in sorted(files.items()):
+        path = ckpt / name
+        if not path.is_file():
+            return name, "is missing"
+        got = file_sha256(path)
+        if got != digest:
+            return name, f"has sha256 {got[:12]}..., but meta.json recorded {str(digest)[:12]}... (a changed or corrupted file)"
+    return None
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Check every file of checkpoint `ckpt` against the sha256 sums in its meta.json."""
+    ckpt = Path(ckpt)
+    bad = _damage(ckpt)
+    if bad is not None:
+        good = _newest_good(ckpt.parent, below=checkpoint_step(ckpt))
+        raise _damaged(ckpt, bad, good)
+
+
+def _newest_good(root: Path, below: int) -> Path | None:
+    for k in reversed([k for k in checkpoint_steps(root.parent) if k < below]):
+        ckpt = root / f"step_{k}"
+        try:
+            if _damage(ckpt) is None:
+                return ckpt
+        except CheckpointError:
+            continue
+    return None
+
+
+def _damaged(ckpt: Path, bad: tuple[str, str], good: Path | None) -> CheckpointDamaged:
+    name, what = bad
+    if good is not None:
+        fix = (f"the newest good checkpoint is {str(good)!r}: resume from it with --resume --fallback (which moves "
+               f"the damaged one aside as {ckpt.name}.damaged), or restore {name} from a backup")
+    else:
+        fix = "no earlier checkpoint checks out either: restore the file from a backup, or start over with --overwrite"
+    return CheckpointDamaged(f"checkpoint {str(ckpt)!r} is damaged: {name} {what}; {fix}", ckpt, name, good)
+
+
+def resume_checkpoint(out_dir: Path, fallback: bool = False) -> Path | None:
+    """The checkpoint a resumed run continues from: the newest, checked against its sha256 sums.
+    A damaged one raises `CheckpointDamaged` (naming the file and the newest good checkpoint); with
+    `fallback`, every damaged checkpoint newer than the newest good one is renamed
+    ``step_<k>.damaged`` and that good one is returned."""
+    steps = checkpoint_steps(out_dir)
+    if not steps:
+        return None
+    root = Path(out_dir) / "checkpoints"
+    latest = root / f"step_{steps[-1]}"
+    try:
+        verify_checkpoint(latest)
+        return latest
+    except CheckpointDamaged as e:
+        if not fallback or e.good is None:
+            raise
+        good_step = checkpoint_step(e.good)
+        for k in steps:
+            if k > good_step:
+                bad = root / f"step_{k}"
+                aside = bad.with_name(bad.name + ".damaged")
+                if aside.exists():
+                    shutil.rmtree(aside)
+                bad.rename(aside)
+        warnings.warn(f"{e}; --fallback: resuming from {str(e.good)!r}", RuntimeWarning, stacklevel=2)
+        return e.good
 
 
 def read_checkpoint(ckpt: Path, names: Iterable[str]) -> tuple[int, dict[str, Any]]:

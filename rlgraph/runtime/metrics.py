@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from rlgraph.runtime.trace import Span
+from rlgraph.runtime.rundir import write_atomic
 
 if TYPE_CHECKING:
     from rlgraph.graph.plan import Plan
@@ -184,12 +185,7 @@ class MetricsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         keep = [] if resume_after is None else [r for r in read_metrics(path, warn=True)
                                                 if r.get("step", -1) <= resume_after]
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w") as f:
-            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
 
     def write(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a") as f:

@@ -22,7 +22,9 @@ class RunOptions:
     steps: int | None = None  # default: the plan's trainer.steps
     schedule: str | None = None  # default: the plan's trainer.schedule
     address: str | None = None
-    resume: bool = False
+    resume: bool = False  # continue from DIR's latest checkpoint (`check_run_dir`: one must exist)
+    overwrite: bool = False  # replace an earlier run in DIR; without it (or resume) such a DIR is refused
+    fallback: bool = False  # with resume: a checkpoint that fails its checksums gives way to the newest good one
     timeout_s: float = 600.0  # longest wait for any single result
     dataplane: str | None = None  # default: the plan's dataplane.backend
     reporter: Reporter | None = None  # default: none

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from rlgraph.errors import InvariantError, RLGraphError, WorkerDiedError
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.checkpoint import checkpoint_step, has_state, latest_checkpoint, read_checkpoint
+from rlgraph.runtime.checkpoint import checkpoint_step, has_state, latest_checkpoint, read_checkpoint, verify_checkpoint
 from rlgraph.runtime.dataplane.base import DataPlaneDied
 from rlgraph.runtime.fleet import PLANE, SOURCE, Fleet
 from rlgraph.runtime.scheduler import Call, Repair, repair_for
@@ -161,6 +161,8 @@ class Recovery:
         ckpt = latest_checkpoint(out)
         if ckpt is not None and checkpoint_step(ckpt) >= step:  # written by a later attempt: not ours
             ckpt = None
+        if ckpt is not None:
+            verify_checkpoint(ckpt)  # a damaged file is a CheckpointDamaged naming it, not a wrong restore
         where = f"the checkpoint of step {checkpoint_step(ckpt)}" if ckpt is not None else "the start"
         lost = sorted(r.cause.dead) if isinstance(r.cause, DataPlaneDied) else self.fleet.plane_dead()
         if r.plane_lost or lost:

@@ -25,15 +25,16 @@ from rlgraph.errors import RLGraphError, StepTimeout, WorkerDiedError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import Plan
 from rlgraph.graph.settings import TrainerSettings
-from rlgraph.runtime.checkpoint import check_compatible, latest_checkpoint, write_checkpoint
+from rlgraph.runtime.checkpoint import check_compatible, resume_checkpoint, write_checkpoint
 from rlgraph.runtime.dataplane.base import DataPlaneDied
 from rlgraph.runtime.fleet import PLANE, Fleet
 from rlgraph.runtime.metrics import IdleClock, MetricsWriter, step_record
-from rlgraph.runtime.plots import write_run_charts
-from rlgraph.runtime.reporter import Reporter
 from rlgraph.runtime.options import RunOptions
+from rlgraph.runtime.plots import write_run_charts
 from rlgraph.runtime.recovery import Fault, Recovery, Restore, plane_lost
 from rlgraph.runtime.refill import Refiller
+from rlgraph.runtime.reporter import Reporter
+from rlgraph.runtime.rundir import check_run_dir
 from rlgraph.runtime.scheduler import Call, Slots, StepScheduler
 from rlgraph.runtime.step import VALIDATE, LiveStep, StepKey, describe_inflight
 from rlgraph.runtime.trace import Span
@@ -53,7 +54,7 @@ class Runner:
         trainer = TrainerSettings.of(plan)
         self.steps = options.steps if options.steps is not None else trainer.steps
         self.schedule = options.schedule or trainer.schedule
-        self.val_every, self.save_every = trainer.val_every, trainer.save_every
+        self.val_every, self.save_every, self.keep = trainer.val_every, trainer.save_every, trainer.keep_checkpoints
         # in flight: k+1 steps, and one admitted ahead (held by the window's gates) unless admitting runs rounds
         self.depth = trainer.max_staleness + (1 if plan.refill is not None else 2)
         self.max_retries = options.max_retries if options.max_retries is not None else trainer.max_retries
@@ -98,11 +99,10 @@ class Runner:
         """Run steps (after the latest checkpoint with ``resume``); returns their metrics records."""
         import ray
 
-        out = Path(self.opts.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        check_run_dir(out := Path(self.opts.out_dir), resume=self.opts.resume, overwrite=self.opts.overwrite)
         (out / "placement.json").write_text(json.dumps(self.fleet.placement(), indent=1) + "\n")
         start_step = 0
-        if self.opts.resume and (ckpt := latest_checkpoint(out)) is not None:
+        if self.opts.resume and (ckpt := resume_checkpoint(out, self.opts.fallback)) is not None:
             check_compatible(ckpt, self.plan)
             start_step = self.recovery.restore(ckpt) + 1
         writer = MetricsWriter(out / "metrics.jsonl", resume_after=start_step - 1 if self.opts.resume else None)
@@ -163,7 +163,7 @@ class Runner:
         if self.save_every and (step + 1) % self.save_every == 0:
             states = self.fleet.states()
             states[VERSIONS] = self.weights.checkpoint_entry()  # versions later steps still read
-            write_checkpoint(out, step, states, self.plan)
+            write_checkpoint(out, step, states, self.plan, keep=self.keep)
             for done in [k for k in self._heads if k <= step]:  # a restore replays only steps after it
                 del self._heads[done]
 

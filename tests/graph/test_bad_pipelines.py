@@ -54,6 +54,12 @@ CHECKED = [
     Checked("shape_mismatch", ("column-type-mismatch",), ("token_scores", "judge", "update"),
             r"column 'token_scores'.*dimension 0 is 'response_len' in the producer but 'prompt_len' in the consumer",
             r"same dtype and shape"),
+    Checked("state_read_as_data", ("column-kind-mismatch",), ("judge", "w", "update"),
+            r"op 'judge' reads column 'w' as this step's data, but 'update' writes it as cross-step state",
+            r"declare the input 'w' of 'judge' as state, `w: T\.float32\(\.\.\.\)\.state\(\)`"),
+    Checked("pool_unknown", ("pool-unknown",), ("reward", "actr"),
+            r"worker group 'reward' names pool 'actr', which is no worker group's name and no other group's pool "
+            r"\(did you mean 'actor'\?\)", r"groups\.reward\.pool=<group>, one of: actor"),
     Checked("unknown_config_key", ("config-unknown-key",), ("judge.scael",),
             r"the pipeline's config sets unknown config key 'judge.scael'", r"did you mean 'judge.scale'\?"),
     Checked("mistyped_config", ("config-type",), ("data.batch_size",),

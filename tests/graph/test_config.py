@@ -163,7 +163,7 @@ def test_every_problem_is_collected_and_bad_values_keep_the_default() -> None:
     assert by_msg["the pipeline's config sets unknown config key 'data.batch_sise'"] == \
         "did you mean 'data.batch_size'?"
     assert by_msg["override actor.lrr=1 sets unknown config key 'actor.lrr'"] == "did you mean 'actor.lr'?"
-    assert by_msg["override data.batch_size=0: 0 is below the minimum 1"] == "write data.batch_size=<int>"
+    assert by_msg["override data.batch_size=0: 0 is below the minimum 1"] == "write data.batch_size=<int >= 1>"
     assert by_msg["override actor.loss_agg_mode=foo: 'foo' is not one of 'token-mean', 'seq-mean-token-sum'"]
     assert by_msg["override actor.use_kl_loss=maybe: expected a bool (true/false), got 'maybe'"] == \
         "write actor.use_kl_loss=<bool>"

@@ -159,7 +159,7 @@ def test_op_defined_inside_a_function_is_refused() -> None:
 
 
 def test_op_spec_of_a_plain_function() -> None:
-    with pytest.raises(DeclarationError, match=r"is not an operator; decorate it with @rlgraph\.op\(outputs=\.\.\.\)"):
+    with pytest.raises(DeclarationError, match=r"is not an operator; decorate a function with @rlgraph\.op\(outputs=\.\.\.\)"):
         op_spec(len)
 
 
@@ -178,9 +178,10 @@ def test_unknown_dtype_attribute() -> None:
         (lambda: ColumnType("int64", kind="weights"), r"kind 'weights' must be 'data', 'state' or 'metric'"),
         (lambda: WorkerGroup("my-group"), r"worker group name 'my-group' must be a Python identifier"),
         (lambda: DataSource({"uid": T.int64()}), r"data source column 'uid' is a system column"),
-        (lambda: DataSource({"prompt": str}), r"data source column 'prompt' is typed <class 'str'>; give a ColumnType"),
-        (lambda: Pipeline("p", {"prompt": T.str()}, []), r"pipeline 'p': source must be a DataSource"),
-        (lambda: Pipeline("p", DataSource({}), [], groups=["actor"]), r"pipeline 'p': groups must be WorkerGroup"),
+        (lambda: DataSource({"prompt": str}), r"data source 'data': column 'prompt' is typed with the Python type str; column types come from T, "
+                                                   r"e\.g\. T\.str\(\)"),
+        (lambda: Pipeline("p", {"prompt": T.str()}, []), r"pipeline 'p': source= is a dict of columns; wrap it in a DataSource"),
+        (lambda: Pipeline("p", DataSource({}), [], groups=["actor"]), r"pipeline 'p': groups\[0\] must be a WorkerGroup, got str 'actor'; write WorkerGroup\('actor'\)"),
         (lambda: Pipeline("p", DataSource({}), [plain]), r"is not an operator"),
         (lambda: stages.advantage("ppo"), r"unknown advantage estimator 'ppo'; use one of gae, grpo"),
     ],

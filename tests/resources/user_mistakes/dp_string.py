@@ -1,0 +1,10 @@
+"""`WorkerGroup(dp="2")`: a string where an int belongs."""
+
+import rlgraph
+from rlgraph import Cluster, DataSource, Pipeline, T, WorkerGroup
+from rlgraph.ops import stages
+
+@rlgraph.op(outputs={"score": T.float32().metric()}, group="w")
+def judge(prompt: T.str()):
+    return 1.0
+pipeline = Pipeline("dp_string", DataSource({"prompt": T.str()}), [judge], [WorkerGroup("w", dp="2")])
