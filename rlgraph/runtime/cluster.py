@@ -44,6 +44,7 @@ class RayHandle:
     started_here: bool
     address: str | None
     seconds: float = 0.0  # how long starting it took, when it was started before the fleet (`rlgraph run`)
+    token_auth: bool | None = None  # Ray's token authentication (None: Ray did not say)
 
     def shutdown(self) -> None:
         import ray
@@ -96,7 +97,7 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
         except Exception as e:
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {type(e).__name__}: {e}; check the "
                                f"address (ray status on the head node prints it)") from e
-        return RayHandle(started_here=True, address=address)
+        return RayHandle(started_here=True, address=address, token_auth=_token_auth())
     if plan.cluster.num_nodes > 1:
         raise ClusterError(
             f"the plan was compiled for {plan.cluster.num_nodes} nodes, but no --address was given and a local "
@@ -120,7 +121,24 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
                            f"in the Ray temp folder (/tmp/ray) and leftover Ray processes (`ray stop` ends "
                            f"those you started), or join a running cluster with --address") from e
     _mark_and_prune()
-    return RayHandle(started_here=True, address=None)
+    return RayHandle(started_here=True, address=None, token_auth=_token_auth())
+
+
+def _token_auth() -> bool | None:
+    """Whether Ray's token authentication is on (Ray turns it on for a cluster it starts); off, any process
+    reaching Ray's ports may run code in it, so say so (docs/runtime.md, Security)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # another Ray layout: nothing to say
+        return None
+    on = bool(is_token_auth_enabled())
+    if not on:
+        import warnings
+
+        warnings.warn(f"Ray's token authentication is off (RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '')!r}): "
+                      f"any process that reaches this Ray's ports can run code in it; unset RAY_AUTH_MODE unless "
+                      f"the machine is yours alone (docs/runtime.md, Security)", RuntimeWarning, stacklevel=3)
+    return on
 
 
 def _mark_and_prune() -> None:

@@ -190,6 +190,7 @@ def test_session_ray_and_transferqueue_listen_on_loopback_only(ray_cluster, tq_p
     assert "TransferQueueController" in names and "SimpleStorageUnit" in names, listeners
     exposed = [entry for entry in listeners if entry[0] not in _LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
+    assert "TOKEN_AUTH true" in res.stdout.splitlines()
 
 
 _START_AND_LIST = textwrap.dedent("""
@@ -214,6 +215,7 @@ _START_AND_LIST = textwrap.dedent("""
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
         print("LISTENERS " + json.dumps(out))
+        print("TOKEN_AUTH " + json.dumps(handle.token_auth))
     finally:
         plane.close()
         handle.shutdown()
@@ -228,6 +230,7 @@ def test_rlgraph_run_starts_ray_and_transferqueue_on_loopback(tmp_path):
     another cluster is ignored (only --address joins one)."""
     env = {**os.environ, "RAY_ADDRESS": "10.255.255.1:6379"}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # start_ray must set what it needs itself
+    env.pop("RAY_AUTH_MODE", None)  # Ray's token authentication is on by default
     res = subprocess.run([sys.executable, "-c", _START_AND_LIST, PIPELINE], env=env, capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -237,3 +240,4 @@ def test_rlgraph_run_starts_ray_and_transferqueue_on_loopback(tmp_path):
     assert "gcs_server" in names and "TransferQueueController" in names, listeners
     exposed = [entry for entry in listeners if entry[0] not in _LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
+    assert "TOKEN_AUTH true" in res.stdout.splitlines()

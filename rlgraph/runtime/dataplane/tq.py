@@ -44,7 +44,7 @@ import os
 import threading
 import uuid
 from functools import partial
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 # TQ reads TQ_NUM_THREADS at import; its default (8) exceeds small machines' cores and makes
@@ -63,7 +63,7 @@ from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E4
     RoutingGroup,
 )
 
-from rlgraph.runtime.dataplane import cells  # noqa: E402
+from rlgraph.runtime.dataplane import cells, guard  # noqa: E402
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
     DataPlane,
@@ -310,7 +310,9 @@ def _actor_nodes(actors: list[Any]) -> tuple[str, ...]:
 class _TQClient(DataPlaneClient):
     """Worker side: an ``AsyncTransferQueueClient`` (TQ's public async client) on our loop."""
 
-    def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = ()) -> None:
+    def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = (), secret: str = "") -> None:
+        if secret:  # the plane's sockets admit only clients presenting it (`guard`)
+            guard.install(secret)
         self._timeout = op_timeout_s
         # the node of each storage unit (by rank) and ours: for the bytes that stay on this node and
         # those that cross to another
@@ -427,17 +429,19 @@ class TransferQueueHandle(DataPlaneHandle):
     controller: Any
     op_timeout_s: float = 60.0
     unit_nodes: tuple[str, ...] = ()  # the Ray node of each storage unit, in unit order
+    secret: str = field(default="", repr=False)  # the plane's per-run secret (`guard`); travels only through Ray
 
     def connect(self) -> DataPlaneClient:
-        return _TQClient(self.controller, self.op_timeout_s, self.unit_nodes)
+        return _TQClient(self.controller, self.op_timeout_s, self.unit_nodes, self.secret)
 
 
 class TransferQueueDataPlane(_TQClient, DataPlane):
     """Driver side of the TransferQueue backend. ``start()`` runs ``tq.init`` (the controller and
     SimpleStorage units); ``close()`` runs ``tq.close``."""
 
-    def __init__(self, controller: Any, config: TransferQueueConfig) -> None:
-        super().__init__(controller, config.op_timeout_s)
+    def __init__(self, controller: Any, config: TransferQueueConfig, secret: str = "") -> None:
+        super().__init__(controller, config.op_timeout_s, secret=secret)
+        self._secret = secret
         self._controller = controller
         self.config = config
         self._actors = {"TransferQueue controller": controller}
@@ -469,10 +473,12 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                 f"or connect to it with that plane's handle().connect()"
             )
         check_tq_resources(config.num_storage_units)
-        _run_tq_init(config)
+        secret = guard.new_secret()
+        guard.install(secret)  # this process's TQ client (tq.init makes one) presents it
+        _run_tq_init(config, secret)
         controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
         try:
-            return cls(controller, config)
+            return cls(controller, config, secret)
         except BaseException:
             tq.close()
             raise
@@ -513,7 +519,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:
-        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes)
+        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes, self._secret)
 
     def actors(self) -> dict[str, Any]:
         return dict(self._actors)
@@ -537,9 +543,25 @@ def own_timeouts(op_timeout_s: float) -> None:
     ssm.TQ_SIMPLE_STORAGE_MAX_ATTEMPTS = 1
 
 
-def _run_tq_init(config: TransferQueueConfig) -> None:
+def _run_tq_init(config: TransferQueueConfig, secret: str) -> None:
     """``tq.init`` under a timeout. It waits on Ray actors without one; if they never start we
-    kill what it created, which makes its pending ``ray.get`` fail and frees its thread."""
+    kill what it created, which makes its pending ``ray.get`` fail and frees its thread. TQ's
+    controller and storage units start as `guard.guarded_actor_class`es: their sockets admit only
+    processes presenting `secret`."""
+    import transfer_queue.interface as tq_interface
+    from transfer_queue.storage.bootstrap import simple_storage_bootstrap as tq_bootstrap
+
+    originals = {tq_interface: tq_interface.TransferQueueController, tq_bootstrap: tq_bootstrap.SimpleStorageUnit}
+    tq_interface.TransferQueueController = guard.guarded_actor_class(originals[tq_interface], secret)
+    tq_bootstrap.SimpleStorageUnit = guard.guarded_actor_class(originals[tq_bootstrap], secret)
+    try:
+        _tq_init_with_timeout(config)
+    finally:
+        tq_interface.TransferQueueController = originals[tq_interface]
+        tq_bootstrap.SimpleStorageUnit = originals[tq_bootstrap]
+
+
+def _tq_init_with_timeout(config: TransferQueueConfig) -> None:
     conf = {
         "backend": {"SimpleStorage": {
             "num_data_storage_units": config.num_storage_units,

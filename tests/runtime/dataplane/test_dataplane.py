@@ -310,7 +310,7 @@ def test_tq_start_times_out_with_a_message(tmp_path):
         from rlgraph.runtime.dataplane import DataPlaneError, TransferQueueConfig
         from rlgraph.runtime.dataplane.tq import _run_tq_init
         try:
-            _run_tq_init(TransferQueueConfig(num_storage_units=3, start_timeout_s=2))
+            _run_tq_init(TransferQueueConfig(num_storage_units=3, start_timeout_s=2), "x" * 32)
         except DataPlaneError as e:
             print("ERROR:", e)
         ray.shutdown()
