@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import re
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -216,10 +218,16 @@ def compile_command(pipeline: str, overrides: tuple[str, ...], out_dir: Path) ->
 @click.argument("pipeline")
 @_overrides_argument
 def validate(pipeline: str, overrides: tuple[str, ...]) -> None:
-    """Check PIPELINE with the overrides; print every problem found, or ok."""
+    """Check PIPELINE with the overrides; print every problem found, or ok. The data source's own
+    checks run too: the prompt files' schema and first rows, and the tokenizer against the policy."""
     plan = _compile(pipeline, overrides)
+    from rlgraph.runtime.source import preflight
+
+    notes = preflight(plan)
     click.echo(f"ok: {plan.pipeline!r} passes every check ({len(plan.ops)} ops, {len(plan.groups)} worker "
                f"groups); {_padding_line(plan)}")
+    for note in notes:
+        click.echo(f"note: {note}")
 
 
 @cli.command(epilog=_OVERRIDES_HELP)
@@ -266,15 +274,55 @@ def describe(target: str, overrides: tuple[str, ...], list_config: bool, width: 
     _print(console, *show.sections(_plan_or_compile(target, overrides)))
 
 
+class _Seconds(click.ParamType):
+    """A finite number of seconds, at least 1 (``nan`` and ``inf`` are refused: no wait may be endless)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds < 1:
+            self.fail(f"{value!r} is not a finite number of seconds >= 1 (every wait has a limit)", param, ctx)
+        return seconds
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM on its way up: everything unwinds and shuts down; the run exits
+    128 + the signal's number (130, 143), as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+_received: list[int] = []  # the stop signals this process received, in order
+
+
 def _interrupt_on_signals() -> None:
     """Ctrl-C and SIGTERM stop a run cleanly (KeyboardInterrupt unwinds and shuts everything down),
     also when the process was started with SIGINT ignored, as background jobs and CI runners are."""
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        _received.append(int(signum))  # a library may re-raise it as a plain KeyboardInterrupt (Ray's get does)
+        raise _Signalled(signum)
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def _stopped_by(e: BaseException) -> int | None:
+    """The signal that `e` stands for: a `_Signalled`, a plain KeyboardInterrupt (SIGINT), or the
+    ``SystemExit(15)`` of the SIGTERM handler Ray installs while ``ray.init`` runs; else None."""
+    if isinstance(e, _Signalled):
+        return e.signum
+    if isinstance(e, KeyboardInterrupt):
+        return _received[-1] if _received else int(signal.SIGINT)
+    if isinstance(e, SystemExit) and e.code == int(signal.SIGTERM):
+        return int(signal.SIGTERM)
+    return None
 
 
 @cli.command(epilog=_OVERRIDES_HELP)
@@ -296,7 +344,7 @@ def _interrupt_on_signals() -> None:
                    "(the damaged one is moved aside, never deleted).")
 @click.option("--dataplane", type=click.Choice(["transferqueue", "ray"]), default=None,
               help="Where columns live between ops [default: dataplane.backend].")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=_Seconds(), default=600.0, show_default=True,
               help="Longest wait, in seconds, for any single op call or start-up step.")
 @click.option("--verbose", is_flag=True,
               help="Show the actors' own output (Ray's notices, vLLM's logs, worker-death dumps) and log long waits.")
@@ -312,6 +360,51 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     (open in Perfetto) and DIR/timeline.svg (op calls per worker against time), plus plan.json
     and pipeline.svg.
     """
+    import threading
+
+    _interrupt_on_signals()  # from the first moment: a signal during start-up is one line and 128 + its number
+    handles: dict[str, Any] = {}
+    try:
+        runner = _run(target, overrides, out_dir, steps, schedule, address, resume, overwrite, fallback, dataplane,
+                      timeout_s, verbose, trace_steps, handles)
+    except (KeyboardInterrupt, SystemExit) as e:
+        signum = _stopped_by(e)
+        if signum is None:
+            raise
+        for sig in (signal.SIGINT, signal.SIGTERM):  # shutting down: a second signal must not cut it short
+            signal.signal(sig, signal.SIG_IGN)
+        _shutdown_ray(handles.get("ray"))
+        click.echo(f"interrupted by {signal.Signals(signum).name}: everything this run had started was shut down",
+                   err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # everything is shut down: no interpreter finalisation after it, which a loader thread still
+        # importing, or a Ray core worker a signal cut short in ray.init, can turn into an abort
+        os._exit(128 + signum)
+    out = Path(runner.opts.out_dir)
+    click.echo(f"ran {runner.written} step(s) of {runner.plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
+               f"{out / 'reward_curve.svg'}, {out / 'trace.json'}, {out / 'timeline.svg'}")
+
+
+def _shutdown_ray(handle: Any) -> None:
+    """Stop a Ray this run started, also one whose start a signal cut short (no handle yet)."""
+    try:
+        if handle is not None:
+            handle.shutdown()
+        else:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+    except Exception:  # shutting down after a signal: the message above is what matters
+        pass
+
+
+def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: int | None, schedule: str | None,
+         address: str | None, resume: bool, overwrite: bool, fallback: bool, dataplane: str | None, timeout_s: float,
+         verbose: bool, trace_steps: int, handles: dict[str, Any]) -> Any:
+    """The body of `rlgraph run`; `handles` gets the loader thread and Ray's handle as they exist, for
+    the shutdown after a signal."""
     import threading
 
     if fallback and not resume:
@@ -340,23 +433,21 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
     def load() -> None:
         try:
             from rlgraph.runtime.runner import prepare
-            prepare(plan)
+            prepare(plan)  # the prepare hook, then the data's head and the tokenizer checked
         except BaseException as e:  # raised on the main thread below
             loaded["error"] = e
 
-    loader = threading.Thread(target=load, name="rlgraph_import", daemon=True)
+    loader = handles["loader"] = threading.Thread(target=load, name="rlgraph_import", daemon=True)
     loader.start()
     ray_handle = None
-    runner = None
     try:
-        _interrupt_on_signals()
         from dataclasses import replace
 
         from rlgraph.runtime.cluster import start_ray
 
         t0 = time.time()
-        ray_handle = start_ray(plan, address, verbose)
-        ray_handle = replace(ray_handle, seconds=time.time() - t0)
+        ray_handle = handles["ray"] = start_ray(plan, address, verbose)
+        ray_handle = handles["ray"] = replace(ray_handle, seconds=time.time() - t0)
         _interrupt_on_signals()  # ray.init replaces the SIGTERM handler
         loader.join()
         if "error" in loaded:
@@ -372,14 +463,10 @@ def run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: in
         runner = Runner(plan, options)
         with runner:  # stops everything it started, Ray included, also on Ctrl-C
             runner.run()
-    except KeyboardInterrupt:
-        click.echo("interrupted: Ray and the data plane were shut down", err=True)
-        sys.exit(130)
     finally:
         if ray_handle is not None:  # stopped already when the runner started; not when it never did
             ray_handle.shutdown()
-    click.echo(f"ran {runner.written} step(s) of {plan.pipeline!r}; wrote {out / 'metrics.jsonl'}, "
-               f"{out / 'reward_curve.svg'}, {out / 'trace.json'}, {out / 'timeline.svg'}")
+    return runner
 
 
 @cli.command("export")

@@ -378,3 +378,17 @@ def test_heavy_padding_is_warned_about():
     quiet = invoke("validate", PPO, "data.batch_size=45", "rollout.n=8", "actor.mini_batch_size=15",
                    "critic.mini_batch_size=15")  # lcm(120, 120) = 120 divides 360: no padding
     assert "warning" not in quiet.output
+
+
+def test_validate_reads_the_data_before_anything_starts(tmp_path):
+    """A missing prompt file, or rows without reward_model.ground_truth, fail `validate` (exit 1)."""
+    grpo = str(Path(__file__).resolve().parents[1] / "examples" / "grpo.py")
+    res = CliRunner().invoke(cli, ["validate", grpo, f"data.path={tmp_path / 'nope.parquet'}"])
+    assert res.exit_code == 1 and "prompt file" in res.output and "does not exist" in res.output, res.output
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1=", "data_source": "add", "reward_model": {}}) + "\n")
+    res = CliRunner().invoke(cli, ["validate", grpo, f"data.path={rows}"])
+    assert res.exit_code == 1 and "reward_model.ground_truth" in res.output, res.output
+    res = CliRunner().invoke(cli, ["validate", grpo, f"actor.model_path={tmp_path / 'built_later'}"])
+    assert res.exit_code == 0, res.output
+    assert "note: the tokenizer of actor.model_path" in res.output and "does not exist yet" in res.output

@@ -36,6 +36,8 @@ __all__ = [
     "SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
     "char_tokenizer",
+    "CHAR_TOKENIZER",
+    "tokenizer_at",
     "build_tiny_model",
     "load_tokenizer",
     "load_causal_lm",
@@ -172,6 +174,15 @@ def _check_dir(path: str | Path, what: str, needs: tuple[str, ...]) -> Path:
         raise ModelLoadError(f"{str(p)!r} is not a Hugging Face {what} directory: it lacks {', '.join(missing)}; "
                              f"save one with save_pretrained() or build_tiny_model()")
     return p
+
+
+CHAR_TOKENIZER = "char"  # data.tokenizer / reward.tokenizer value naming the built-in character tokenizer
+
+
+def tokenizer_at(path: str | Path) -> Any:
+    """The tokenizer a config names: ``"char"`` is the built-in character tokenizer, anything else
+    a local HF directory (`load_tokenizer`)."""
+    return char_tokenizer() if str(path) == CHAR_TOKENIZER else load_tokenizer(path)
 
 
 def load_tokenizer(path: str | Path, padding_side: Literal["left", "right"] | None = None) -> Any:

@@ -56,8 +56,8 @@ class DataSettings(SourceSettings):
     """parquet or JSONL file of validation prompts (read in order); empty: the generated task's test split, or
     no validation when data.path is set"""
     tokenizer: str = ""
-    """HF directory whose tokenizer and chat template encode the prompts (use the policy's); empty: the
-    built-in character tokenizer of the tiny models"""
+    """HF directory whose tokenizer and chat template encode the prompts; empty: actor.model_path's (the
+    policy's own); char: the built-in character tokenizer of the tiny models"""
     max_prompt_length: int = Field(64, ge=1)
     """longest prompt in tokens, chat template included"""
     filter_overlong_prompts: bool = True
@@ -168,8 +168,8 @@ class RewardSettings(Section):
     namespace: ClassVar[str] = "reward"
 
     tokenizer: str = ""
-    """tokenizer directory for decoding responses (default: data.tokenizer, then actor.model_path, then the
-    built-in character tokenizer)"""
+    """tokenizer directory for decoding responses (default: data.tokenizer, then actor.model_path); char: the
+    built-in character tokenizer"""
     fn: str = "rlgraph.ops.reward.functions:compute_score"
     """'module:function' or 'file.py:function' with signature compute_score(data_source, solution_str,
     ground_truth, extra_info=None) -> float | dict; may be async def"""

@@ -121,6 +121,9 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
                            f"in the Ray temp folder (/tmp/ray) and leftover Ray processes (`ray stop` ends "
                            f"those you started), or join a running cluster with --address") from e
     _mark_and_prune()
+    from rlgraph.runtime.reaper import start_reaper
+
+    start_reaper()  # a SIGKILLed driver's processes go with it (Ray's agents would hold their ports for a minute)
     return RayHandle(started_here=True, address=None, token_auth=_token_auth())
 
 

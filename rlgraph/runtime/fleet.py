@@ -267,7 +267,7 @@ class Fleet:
         """Replace a data plane that lost an actor with a new one, and restart every worker group
         and the source on it (their clients, and calls blocked on the dead actor, go with their
         processes). Their state is what setup gives; the runner restores it. Returns the actors
-        started."""
+        started (the plane's own not counted)."""
         import ray
 
         dead = self.plane_dead()
@@ -282,14 +282,15 @@ class Fleet:
                 pass
         old.close()
         self.plane = self._start_dataplane()
-        self.restart_source()
-        return self.restart(list(self.workers))
+        return self.restart_source() + self.restart(list(self.workers))
 
-    def restart_source(self) -> None:
+    def restart_source(self) -> int:
+        """Kill the data-source actor and start it again; returns the actors started (1)."""
         import ray
 
         ray.kill(self.source, no_restart=True)
         self._create_source(self.plane.handle())
+        return 1
 
     def dead(self) -> set[str]:
         """Groups with an actor that no longer answers, plus `SOURCE` if the data source died."""
@@ -429,8 +430,10 @@ class Fleet:
                 except Exception:  # a dead actor: its memory went with it
                     pass
 
-    def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> tuple[list[int], list[bool]]:
-        """Have the source write a step's first columns; returns the rows' group ids and padding tags."""
+    def produce(self, partition: str, rows: int, uid_start: int, validation: bool
+                ) -> tuple[list[int], list[bool], dict[str, float]]:
+        """Have the source write a step's first columns; returns the rows' group ids, padding tags and
+        the source's metrics of the batch."""
         return self.get([self.source.produce.remote(partition, rows, uid_start, validation)],
                         f"the data source to write partition {partition!r}")[0]
 

@@ -139,7 +139,8 @@ class IdleClock:
 
 
 def step_record(lv: LiveStep, plan: Plan, schedule: str, idle: IdleClock | None = None, *,
-                retries: int | None = None, validation: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                retries: int | None = None, restarts: int = 0, validation: Mapping[str, Any] | None = None
+                ) -> dict[str, Any]:
     """The metrics record of finished step `lv`: one line of metrics.jsonl, or (validation) the
     source of its ``val/`` keys. `idle` tracks the groups' idle time across training steps;
     `retries` and `validation` are added to a training step's record."""
@@ -157,7 +158,8 @@ def step_record(lv: LiveStep, plan: Plan, schedule: str, idle: IdleClock | None 
                       spans=rec.spans, wall_s=lv.t1 - lv.t0, real_rows=real, pad_rows=pad,
                       dropped=reasons, driver_payload_bytes=lv.bytes1 - lv.bytes0,
                       driver_result_bytes=rec.result_bytes, schedule=schedule)
-    m["faults/restarts"] = rec.restarts
+    m["faults/restarts"] = rec.restarts + restarts  # restarted in this step's calls, and by a restore before it
+    m.update({f"data/{k}": v for k, v in lv.source_metrics.items()})
     m.update(lv.refill.get("metrics", {}))
     local, remote = sum(s.local_bytes for s in rec.spans), sum(s.cross_node_bytes for s in rec.spans)
     if local or remote:  # the plane knows where each row is stored (TransferQueue)

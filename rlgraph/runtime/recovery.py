@@ -89,6 +89,7 @@ class Recovery:
         self.plan, self.fleet, self.weights, self.reporter = plan, fleet, weights, reporter
         self.max_retries = max_retries
         self.attempts: dict[int, int] = {}  # step -> failures so far
+        self.restarted = 0  # actors a restore restarted, not yet in a written step's faults/restarts
         self._faults = {f: f.times for f in faults}
 
     def take_fault(self, op: str, step: int, chunks: list[int], rank: int) -> str | None:
@@ -155,6 +156,11 @@ class Recovery:
         for owner, c in again:
             resubmit(c, owner)
 
+    def take_restarts(self) -> int:
+        """The actors restores restarted since the last written step (its record counts them once)."""
+        n, self.restarted = self.restarted, 0
+        return n
+
     def recover(self, step: int, out: Path, r: Restore, run_start: int) -> int:
         """Restore every worker and the source to the latest checkpoint (or the initial state);
         returns the first step to run again (the steps before `step` are replayed, not written)."""
@@ -167,16 +173,16 @@ class Recovery:
         lost = sorted(r.cause.dead) if isinstance(r.cause, DataPlaneDied) else self.fleet.plane_dead()
         if r.plane_lost or lost:
             t0 = time.time()
-            self.fleet.restart_plane()  # a new plane; every group and the source restarted on it
+            self.restarted += self.fleet.restart_plane()  # a new plane; every group and the source restarted on it
             self.reporter.fault(f"the data plane's {', '.join(lost) or 'actor'} died at step {step}; started a new "
                                 f"data plane and every worker in {time.time() - t0:.1f}s, replaying from {where}")
         else:
             dead = self.fleet.dead() | r.dead
             # nothing saved: back to the state the run started from, every group
-            self.fleet.restart(list(self.fleet.workers) if ckpt is None
-                               else [g for g in dead if g in self.fleet.workers])
+            self.restarted += self.fleet.restart(list(self.fleet.workers) if ckpt is None
+                                                 else [g for g in dead if g in self.fleet.workers])
             if SOURCE in dead:
-                self.fleet.restart_source()
+                self.restarted += self.fleet.restart_source()
         if ckpt is not None:
             return self.restore(ckpt) + 1
         if run_start != 0:

@@ -36,6 +36,7 @@ from rlgraph.runtime.refill import Refiller
 from rlgraph.runtime.reporter import Reporter
 from rlgraph.runtime.rundir import check_run_dir
 from rlgraph.runtime.scheduler import Call, Slots, StepScheduler
+from rlgraph.runtime.source import preflight
 from rlgraph.runtime.step import VALIDATE, LiveStep, StepKey, describe_inflight
 from rlgraph.runtime.trace import Span
 from rlgraph.runtime.weights import VERSIONS, WeightMover
@@ -150,7 +151,7 @@ class Runner:
         self._spans.append(list(lv.rec.spans))
         val = self.validate(step) if self.val_every and (step + 1) % self.val_every == 0 else None
         record = step_record(lv, self.plan, self.schedule, self.idle, retries=self.recovery.attempts.get(step, 0),
-                             validation=val)
+                             restarts=self.recovery.take_restarts(), validation=val)
         writer.write(record)
         self.written += 1
         if self.opts.keep_records:
@@ -178,8 +179,7 @@ class Runner:
                                            or (self.save_every and (step + 1) % self.save_every == 0))
 
     def validate(self, step: int) -> dict[str, Any] | None:
-        """Run the ops that produce the validation columns on the validation split, with the weights
-        written at `step`; returns that run's record (None: the pipeline validates nothing)."""
+        """Run the validation ops on the validation split with `step`'s weights; its record (None: none)."""
         if not self.plan.validation.ops:
             return None
         lv = self.admit(StepKey(step, VALIDATE), partition=f"val_{step}", ops=set(self.plan.validation.ops),
@@ -237,8 +237,8 @@ class Runner:
         homes, row_nodes = self.fleet.homes(rows)
         self.fleet.plane.create_partition(partition, rows, homes)
         try:
-            uids, is_padding = self.fleet.produce(partition, rows, step * rows if uid_start is None else uid_start,
-                                                  key.phase == VALIDATE)
+            uids, is_padding, data = self.fleet.produce(partition, rows, step * rows if uid_start is None else
+                                                        uid_start, key.phase == VALIDATE)
         except BaseException:
             self.fleet.clear(partition)
             raise
@@ -248,7 +248,7 @@ class Runner:
         self.window.admit(key, sched, reads=step if reads is None and not key.training else reads)
         if key.training:
             self.reporter.step_started(step, sched.chunk_counts())
-        return LiveStep(key, partition, sched, list(is_padding), t0, bytes0)
+        return LiveStep(key, partition, sched, list(is_padding), t0, bytes0, source_metrics=data)
 
     def _events(self, live: dict[StepKey, LiveStep], admit_more: Callable[[dict[StepKey, LiveStep]], None],
                 on_done: Callable[[LiveStep], None]) -> None:
@@ -337,10 +337,10 @@ class Runner:
 
 
 def prepare(plan: Plan) -> None:
-    """Call the pipeline's prepare hook (local assets such as data sets and tiny models)."""
+    """The pipeline's prepare hook (local assets: data, tiny models), then the source's `preflight`."""
     if plan.prepare:
-        fn, _ = resolve_impl(plan.prepare, plan.prepare_file)
-        fn(plan.config)
+        resolve_impl(plan.prepare, plan.prepare_file)[0](plan.config)
+    preflight(plan)
 
 
 def run_plan(plan: Plan, options: RunOptions, plane: Any = None) -> list[dict[str, Any]]:

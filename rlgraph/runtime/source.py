@@ -15,6 +15,8 @@ its own and ``is_padding = True``. Real samples are never copied as padding.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -26,7 +28,7 @@ from rlgraph.graph.plan import ColumnPlan, Plan
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.runtime.invoke import TORCH_DTYPES
 
-__all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad"]
+__all__ = ["SourceError", "StepRows", "padding_value", "expand_and_pad", "preflight"]
 
 
 class SourceError(RLGraphError):
@@ -97,8 +99,10 @@ class SourceWorker:
             raise SourceError(f"the plan's data source {self.plan.source!r} has no implementation (impl); give "
                               f"DataSource(impl='module:Class')")
         cls, _ = resolve_impl(self.plan.source_impl, self.plan.source_impl_file)
-        # the source's own section (a compiled plan has every key of it) and trainer.seed
-        self.source = cls(dict(self.plan.config[self.plan.source]), TrainerSettings.of(self.plan).seed)
+        # the source's own section (a compiled plan has every key of it) and trainer.seed; a source
+        # that takes `plan_config` also gets the whole config (the prompt source: actor.model_path's tokenizer)
+        extra = {"plan_config": self.plan.config} if "plan_config" in inspect.signature(cls).parameters else {}
+        self.source = cls(dict(self.plan.config[self.plan.source]), TrainerSettings.of(self.plan).seed, **extra)
         self.columns = {c: self.plan.columns[c] for c in self.plan.source_columns}
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
 
@@ -112,7 +116,9 @@ class SourceWorker:
             self.client.forget(partition)
 
     def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False
-                ) -> tuple[list[int], list[bool]]:
+                ) -> tuple[list[int], list[bool], dict[str, float]]:
+        """Write a step's first columns; returns the rows' group ids, padding tags and the source's
+        metrics of this batch (``batch_metrics()``, if it has one)."""
         size = int(self.plan.batch.batch_size)
         if validation:
             fn = getattr(self.source, "next_val_batch", None)
@@ -125,7 +131,8 @@ class SourceWorker:
         rows = expand_and_pad(batch, self.columns, self.plan.batch.n, padded_rows, uid_start)
         stored = {c: v for c, v in rows.columns.items() if self.plan.columns[c].stored}
         self.client.put(partition, list(range(rows.num_rows)), stored)
-        return rows.uids, rows.is_padding
+        metrics = getattr(self.source, "batch_metrics", None)
+        return rows.uids, rows.is_padding, dict(metrics()) if callable(metrics) else {}
 
     def assemble(self, partition: str, picks: list[tuple[str, list[int]]], columns: list[str], padding: int,
                  pad_uid_start: int) -> None:
@@ -158,3 +165,16 @@ class SourceWorker:
 
     def close(self) -> None:
         self.client.close()
+
+
+def preflight(plan: Plan) -> list[str]:
+    """The data source's checks that need no Ray (its class's ``preflight(config, seed, plan_config)``,
+    if it has one: the prompt source reads the head of its files and checks the tokenizer), run by
+    `rlgraph validate` and by `rlgraph run` before any worker starts. Returns its notes."""
+    if not plan.source_impl:
+        return []
+    cls, _ = resolve_impl(plan.source_impl, plan.source_impl_file)
+    check = getattr(cls, "preflight", None)
+    if not callable(check):
+        return []
+    return list(check(dict(plan.config[plan.source]), TrainerSettings.of(plan).seed, plan.config))

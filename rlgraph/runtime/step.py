@@ -83,6 +83,7 @@ class LiveStep:
     keep: bool = False  # keep the partition once done (a refill round: its kept rows are copied later)
     quiet: frozenset[str] = frozenset()  # ops whose op metrics are not recorded (the rounds' ops on padding)
     refill: dict[str, Any] = field(default_factory=dict)  # the rounds' accounting: real, dropped, metrics
+    source_metrics: dict[str, float] = field(default_factory=dict)  # the data source's, of this batch (data/...)
 
     @property
     def step(self) -> int:

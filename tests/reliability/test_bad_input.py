@@ -75,7 +75,7 @@ def test_bad_prompt_row_names_file_row_field_and_fix(tmp_path, case):
     row, expected = DATA_CASES[case]
     path = _jsonl(tmp_path / "prompts.jsonl", [GOOD_ROW, row])
     with pytest.raises(PromptDataError) as info:
-        PromptSource({"path": path}, seed=0)
+        PromptSource({"tokenizer": "char", "path": path}, seed=0)
     msg = str(info.value)
     assert isinstance(info.value, RLGraphError)
     assert msg.startswith(f"{path}: 1 row(s) do not follow verl's layout"), msg
@@ -87,20 +87,20 @@ def test_bad_prompt_row_names_file_row_field_and_fix(tmp_path, case):
 def test_overlong_prompt_with_filtering_off_names_row_length_and_limit(tmp_path):
     long_row = {**GOOD_ROW, "prompt": [{"role": "user", "content": "1+2+3+4+5+6+7+8+9="}]}
     path = _jsonl(tmp_path / "prompts.jsonl", [GOOD_ROW, long_row])
-    lengths = [len(r) for r in PromptSource({"path": path, "shuffle": False}, 0).next_batch(2)["prompt_ids"]]
+    lengths = [len(r) for r in PromptSource({"tokenizer": "char", "path": path, "shuffle": False}, 0).next_batch(2)["prompt_ids"]]
     limit = lengths[0]
     with pytest.raises(PromptTooLongError) as info:
-        PromptSource({"path": path, "max_prompt_length": limit, "filter_overlong_prompts": False}, seed=0)
+        PromptSource({"tokenizer": "char", "path": path, "max_prompt_length": limit, "filter_overlong_prompts": False}, seed=0)
     msg = str(info.value)
     assert f"{path}: 1 prompt(s) are longer than data.max_prompt_length={limit}" in msg
     assert f"row 1: {lengths[1]} tokens" in msg and "row 0" not in msg
     assert "fix: raise data.max_prompt_length, or set data.filter_overlong_prompts=true" in msg
     # filtering on: dropped with a warning; every row too long: an error saying what to raise
     with pytest.warns(UserWarning, match="dropped 1 of 2 prompts"):
-        assert PromptSource({"path": path, "max_prompt_length": limit}, seed=0).num_rows == 1
+        assert PromptSource({"tokenizer": "char", "path": path, "max_prompt_length": limit}, seed=0).num_rows == 1
     with pytest.raises(PromptTooLongError, match=r"all 2 prompts are longer than data.max_prompt_length=1 tokens; "
                                                  r"raise data.max_prompt_length"):
-        PromptSource({"path": path, "max_prompt_length": 1}, seed=0)
+        PromptSource({"tokenizer": "char", "path": path, "max_prompt_length": 1}, seed=0)
 
 
 def test_prompt_the_tokenizer_rejects_names_the_row(tmp_path, monkeypatch):
@@ -120,17 +120,19 @@ def test_prompt_the_tokenizer_rejects_names_the_row(tmp_path, monkeypatch):
         def __call__(self, texts, **kw):
             return real(texts, **kw)
 
-    monkeypatch.setattr(PromptSource, "_tokenizer", staticmethod(lambda path: Picky()))
+    from rlgraph.ops.data import prompts
+
+    monkeypatch.setattr(prompts, "tokenizer_at", lambda path: Picky())
     rows = [GOOD_ROW, GOOD_ROW, {**GOOD_ROW, "prompt": [{"role": "tool", "content": "1+1="}]}]
     path = _jsonl(tmp_path / "prompts.jsonl", rows)
     with pytest.raises(PromptDataError, match=r"prompts.jsonl: row 2: the tokenizer cannot encode its prompt "
                                               r"(.|\n)*role 'tool' is not supported(.|\n)*\nfix: give messages the "
                                               r"chat template accepts"):
-        PromptSource({"path": path}, seed=0)
+        PromptSource({"tokenizer": "char", "path": path}, seed=0)
 
 
 def test_a_damaged_source_position_is_a_typed_error(tmp_path):
-    src = PromptSource({"path": _jsonl(tmp_path / "p.jsonl", [GOOD_ROW])}, seed=0)
+    src = PromptSource({"tokenizer": "char", "path": _jsonl(tmp_path / "p.jsonl", [GOOD_ROW])}, seed=0)
     for state in ({"epoch": "x", "offset": 0}, {"offset": 0}, None):
         with pytest.raises(PromptDataError, match=r"saved position .* is not \{'epoch': int"):
             src.load_state_dict(state)

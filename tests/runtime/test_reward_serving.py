@@ -31,7 +31,7 @@ def _odd_rows(plan, seed=0):
     """Ground truths of step 0's samples, as the source will produce them (same seed)."""
     from rlgraph.ops.data.prompts import PromptSource
 
-    src = PromptSource(plan.config["data"], seed=seed)
+    src = PromptSource(plan.config["data"], seed=seed, plan_config=plan.config)
     batch = src.next_batch(plan.batch.batch_size)
     return [int(gt) % 2 == 1 for gt in batch["ground_truth"]]
 

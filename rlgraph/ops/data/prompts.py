@@ -44,9 +44,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlgraph.errors import RLGraphError
+from rlgraph.ops.models import CHAR_TOKENIZER, tokenizer_at
 from rlgraph.ops.settings import DataSettings
 
-__all__ = ["PromptDataError", "PromptTooLongError", "PromptSource", "read_table_rows"]
+__all__ = ["PromptDataError", "PromptTooLongError", "PromptSource", "read_table_rows", "tokenizer_path"]
 
 _MAX_LISTED = 10  # problems listed in one error; the count of the rest follows
 
@@ -114,6 +115,43 @@ def read_table_rows(path: str | Path, reader: str = "auto") -> list[dict[str, An
 
 
 RAY_READ_TIMEOUT_S = 60.0
+PREFLIGHT_ROWS = 64  # rows `PromptSource.preflight` reads from the head of each file
+
+
+def read_first_rows(path: str | Path, n: int = PREFLIGHT_ROWS) -> list[dict[str, Any]]:
+    """The first `n` rows of a ``.parquet`` or ``.jsonl`` file, read locally without reading the
+    rest (parquet: the first record batch; JSONL: the first lines)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise PromptDataError(f"prompt file {str(p)!r} does not exist; give a parquet or JSONL file in verl's "
+                              f"layout (write one with rlgraph.ops.data.tasks.write_task)")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            batch = next(pq.ParquetFile(p).iter_batches(batch_size=n), None)
+        except Exception as e:  # pyarrow raises several types for a malformed file; name the file once
+            raise PromptDataError(f"cannot read prompt file {str(p)!r} as parquet: {type(e).__name__}: {e}") from e
+        return batch.to_pylist() if batch is not None else []
+    if p.suffix not in (".jsonl", ".json"):
+        raise PromptDataError(f"prompt file {str(p)!r} has extension {p.suffix!r}; use .parquet or .jsonl")
+    rows: list[dict[str, Any]] = []
+    with p.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if len(rows) >= n:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptDataError(f"{str(p)!r} line {line_no} is not valid JSON ({e}); JSONL holds one JSON "
+                                      f"object per line") from None
+            if not isinstance(row, dict):
+                raise PromptDataError(f"{str(p)!r} line {line_no} is a JSON {type(row).__name__}, not an object; "
+                                      f"JSONL holds one object (one prompt row) per line")
+            rows.append(row)
+    return rows
 
 
 def _read_locally(path: Path, kind: str) -> list[dict[str, Any]]:
@@ -212,14 +250,17 @@ class PromptSource:
     seeds the shuffle and generated rows.
     """
 
-    def __init__(self, config: Mapping[str, Any], seed: int) -> None:
+    def __init__(self, config: Mapping[str, Any], seed: int, plan_config: Mapping[str, Any] | None = None) -> None:
         cfg = DataSettings.read(config)
         self.seed = int(seed)
         self.shuffle = cfg.shuffle
         self.max_prompt_length = cfg.max_prompt_length
         self.filter_overlong = cfg.filter_overlong_prompts
-        self.tokenizer = self._tokenizer(cfg.tokenizer)
+        self.tokenizer_path = tokenizer_path(cfg.tokenizer, plan_config)
+        self.tokenizer = tokenizer_at(self.tokenizer_path)
         self.num_filtered = 0  # overlong prompts dropped (train and validation files together)
+        self.num_unknown = 0  # prompt tokens the tokenizer does not know (its <unk>), over every row read
+        self._batch_unknown = 0  # in the latest batch handed out
 
         if cfg.path:
             train_rows = read_table_rows(cfg.path, cfg.reader)
@@ -242,13 +283,6 @@ class PromptSource:
 
         self.epoch, self.offset, self.val_offset = 0, 0, 0
         self._order = self._permutation(0)
-
-    @staticmethod
-    def _tokenizer(path: str) -> Any:
-        from rlgraph.ops.models import char_tokenizer, load_tokenizer
-
-        # empty: the char tokenizer that build_tiny_model saves with its default characters
-        return load_tokenizer(path) if path else char_tokenizer()
 
     def _prepare(self, rows: Sequence[Mapping[str, Any]], name: str) -> list[tuple]:
         """Check and tokenise every row; raise once with every problem found (rows numbered
@@ -298,14 +332,24 @@ class PromptSource:
         too_long: list[str] = []
         out: list[tuple] = []
         filtered = 0
-        for (i, _, data_source, gt, extra), ids in zip(checked, encoded):
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        unknown = [sum(1 for t in ids if t == unk) if unk is not None else 0 for ids in encoded]
+        if any(unknown):
+            rows_with = [i for (i, *_), n in zip(checked, unknown) if n]
+            self.num_unknown += sum(unknown)
+            warnings.warn(f"{name}: {sum(unknown)} prompt token(s) in {len(rows_with)} row(s) (first: row "
+                          f"{rows_with[0]}) are characters the tokenizer {self.tokenizer_path!r} does not know, "
+                          f"encoded as {self.tokenizer.unk_token!r}; the metric data/unknown_tokens counts them per "
+                          f"step. Use the policy's own tokenizer (data.tokenizer empty: actor.model_path's)",
+                          stacklevel=3)
+        for (i, _, data_source, gt, extra), ids, n_unk in zip(checked, encoded, unknown):
             if len(ids) > self.max_prompt_length:
                 if self.filter_overlong:
                     filtered += 1
                 else:
                     too_long.append(f"row {i}: {len(ids)} tokens")
                 continue
-            out.append((torch.tensor(ids, dtype=torch.int64), data_source, gt, extra))
+            out.append((torch.tensor(ids, dtype=torch.int64), data_source, gt, extra, n_unk))
         if too_long:
             raise PromptTooLongError(_listing(
                 f"{name}: {len(too_long)} prompt(s) are longer than data.max_prompt_length={self.max_prompt_length}",
@@ -351,8 +395,8 @@ class PromptSource:
         """Prompts per epoch (after filtering)."""
         return len(self._rows)
 
-    @staticmethod
-    def _batch(rows: Sequence[tuple]) -> dict[str, list]:
+    def _batch(self, rows: Sequence[tuple]) -> dict[str, list]:
+        self._batch_unknown = sum(r[4] for r in rows)
         return {"prompt_ids": [r[0].clone() for r in rows], "data_source": [r[1] for r in rows],
                 "ground_truth": [r[2] for r in rows], "extra_info": [dict(r[3]) for r in rows]}
 
@@ -378,6 +422,70 @@ class PromptSource:
             self.val_offset = (self.val_offset + 1) % len(self._val_rows)
         return self._batch(picked)
 
+    @classmethod
+    def preflight(cls, config: Mapping[str, Any], seed: int, plan_config: Mapping[str, Any] | None = None
+                  ) -> list[str]:
+        """What `rlgraph validate` (and `rlgraph run`, before any worker starts) checks without
+        starting anything: the tokenizer (it exists, and its vocabulary fits the policy's embedding)
+        and the head of each prompt file (it exists, has verl's fields, and its first rows check and
+        encode). Raises `PromptDataError`; returns notes on what could not be checked yet."""
+        cfg = DataSettings.read(config)
+        notes: list[str] = []
+        path = tokenizer_path(cfg.tokenizer, plan_config)
+        actor = (plan_config or {}).get("actor") or {}
+        model = Path(str(actor.get("model_path", ""))).expanduser() if actor.get("model_path") else None
+        tokenizer = None
+        if path != CHAR_TOKENIZER and not Path(path).expanduser().exists():
+            if cfg.tokenizer:  # named by the user: it must be there
+                raise PromptDataError(f"data.tokenizer {path!r} does not exist; give the policy's HF directory, or "
+                                      f"leave data.tokenizer empty for actor.model_path's tokenizer")
+            notes.append(f"the tokenizer of actor.model_path {path!r} is not checked: the directory does not exist "
+                         f"yet (the pipeline's prepare hook builds it when the run starts)")
+        else:
+            tokenizer = tokenizer_at(path)
+        if tokenizer is not None and model is not None and (model / "config.json").is_file():
+            vocab = _vocab_size(model / "config.json")
+            if vocab is not None and len(tokenizer) > vocab:
+                raise PromptDataError(
+                    f"data.tokenizer {path!r} has {len(tokenizer)} tokens, but the policy in actor.model_path "
+                    f"{str(model)!r} has an embedding of {vocab} rows (vocab_size): token ids >= {vocab} would "
+                    f"index past it; use the policy's own tokenizer (leave data.tokenizer empty)")
+        for key, file in (("data.path", cfg.path), ("data.val_path", cfg.val_path)):
+            if not file:
+                continue
+            rows = read_first_rows(file)
+            name = f"{key} {file!r} (first {len(rows)} rows)"
+            if tokenizer is None:
+                cls._check_fields(rows, name)
+                continue
+            probe = cls.__new__(cls)
+            probe.tokenizer, probe.tokenizer_path = tokenizer, path
+            probe.max_prompt_length, probe.num_filtered, probe.num_unknown = cfg.max_prompt_length, 0, 0
+            probe.filter_overlong = cfg.filter_overlong_prompts
+            try:
+                probe._prepare(rows, name)
+            except PromptTooLongError:
+                if not cfg.filter_overlong_prompts:
+                    raise  # with filtering on, the head's rows may all be long and later ones not
+        return notes
+
+    @staticmethod
+    def _check_fields(rows: Sequence[Mapping[str, Any]], name: str) -> None:
+        if not rows:
+            raise PromptDataError(f"{name} has no rows; give a file with at least one prompt")
+        present = set().union(*(r.keys() for r in rows))
+        absent = [k for k in ("prompt", "data_source", "reward_model") if k not in present]
+        missing_gt = [i for i, r in enumerate(rows) if _ground_truth(r) is None]
+        if absent or missing_gt:
+            what = (f"no {', '.join(repr(k) for k in absent)} field" if absent
+                    else f"no reward_model.ground_truth in row(s) {missing_gt[:5]}")
+            raise PromptDataError(f"{name} has {what}; write verl's layout: prompt (chat messages), data_source, "
+                                  f"reward_model.ground_truth, optional extra_info")
+
+    def batch_metrics(self) -> dict[str, float]:
+        """Metrics of the latest batch handed out (the step's record has them as ``data/<name>``)."""
+        return {"unknown_tokens": float(self._batch_unknown)}
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset, "val_offset": self.val_offset}
 
@@ -395,6 +503,33 @@ class PromptSource:
         self.epoch, self.offset = epoch, offset
         self.val_offset = int(state.get("val_offset", 0)) % max(1, len(self._val_rows or ()))
         self._order = self._permutation(epoch)
+
+
+def _vocab_size(config_json: Path) -> int | None:
+    """The embedding rows of the model whose config.json this is (``vocab_size``, also under
+    ``text_config`` for multimodal configs); None when it does not say."""
+    try:
+        cfg = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    for c in (cfg, cfg.get("text_config") or {}):
+        if isinstance(c.get("vocab_size"), int):
+            return int(c["vocab_size"])
+    return None
+
+
+def tokenizer_path(tokenizer: str, plan_config: Mapping[str, Any] | None) -> str:
+    """What ``data.tokenizer`` names: itself when set (a directory, or ``char``), else the policy's
+    own, ``actor.model_path`` of the plan's config."""
+    if tokenizer:
+        return tokenizer
+    actor = (plan_config or {}).get("actor")
+    model = actor.get("model_path", "") if isinstance(actor, Mapping) else ""
+    if not model:
+        raise PromptDataError("data.tokenizer is empty and the pipeline has no actor.model_path to take the "
+                              "tokenizer from; set data.tokenizer to the policy's HF directory, or "
+                              "data.tokenizer=char for the built-in character tokenizer of the tiny models")
+    return str(model)
 
 
 def _listing(head: str, items: list[str], fix: str | None = None) -> str:

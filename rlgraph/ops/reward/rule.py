@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlgraph.ops.models import char_tokenizer, load_tokenizer
+from rlgraph.ops.models import tokenizer_at
 from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
@@ -40,11 +40,15 @@ class RewardWorker:
         self.scorers: dict[tuple, RewardScorer] = {}
 
     def _tokenizer(self, path: str) -> Any:
-        """`path`'s tokenizer; with none configured anywhere, the built-in character tokenizer
-        (what the data source encodes prompts with when data.tokenizer is empty)."""
+        """`path`'s tokenizer, else data.tokenizer's, else actor.model_path's: the one the prompts were
+        encoded with (``char``: the built-in character tokenizer)."""
         path = path or self.default_tokenizer or ""
+        if not path:
+            raise RewardFnError("the reward has no tokenizer to decode responses with: reward.tokenizer, "
+                                "data.tokenizer and actor.model_path are all empty; set data.tokenizer to the "
+                                "policy's HF directory (or data.tokenizer=char for the built-in character tokenizer)")
         if path not in self.tokenizers:
-            self.tokenizers[path] = load_tokenizer(path) if path else char_tokenizer()
+            self.tokenizers[path] = tokenizer_at(path)
         return self.tokenizers[path]
 
     def compute_reward(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
