@@ -104,6 +104,11 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
             f"Ray has one node; pass --address of your cluster, or recompile with cluster.num_nodes=1"
         )
     force_loopback()
+    from rlgraph.runtime.reaper import start_reaper
+
+    # before ray.init: a driver killed at any moment takes what it started along (Ray's agents would
+    # hold their ports for a minute)
+    start_reaper()
     try:
         ray.init(
             # "local": always a new Ray of our own on 127.0.0.1; never join a cluster named by
@@ -121,9 +126,6 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
                            f"in the Ray temp folder (/tmp/ray) and leftover Ray processes (`ray stop` ends "
                            f"those you started), or join a running cluster with --address") from e
     _mark_and_prune()
-    from rlgraph.runtime.reaper import start_reaper
-
-    start_reaper()  # a SIGKILLed driver's processes go with it (Ray's agents would hold their ports for a minute)
     return RayHandle(started_here=True, address=None, token_auth=_token_auth())
 
 

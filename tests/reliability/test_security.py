@@ -190,7 +190,6 @@ def test_session_ray_and_transferqueue_listen_on_loopback_only(ray_cluster, tq_p
     assert "TransferQueueController" in names and "SimpleStorageUnit" in names, listeners
     exposed = [entry for entry in listeners if entry[0] not in _LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
-    assert "TOKEN_AUTH true" in res.stdout.splitlines()
 
 
 _START_AND_LIST = textwrap.dedent("""

@@ -13,7 +13,7 @@ from rlgraph.graph.loader import import_file
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 PPO_CONFIG = {
-    "data": {"batch_size": 8},
+    "data": {"batch_size": 8, "tokenizer": "char"},  # no actor.model_path here: the tokenizer is named
     "rollout": {"n": 4, "max_new_tokens": 16},
     "actor": {"lr": 1e-4, "mini_batch_size": 4},
     "algorithm": {"use_kl_in_reward": True, "kl_coef": 0.01},
@@ -21,7 +21,7 @@ PPO_CONFIG = {
     "trainer": {"steps": 20},
 }
 GRPO_CONFIG = {
-    "data": {"batch_size": 8},
+    "data": {"batch_size": 8, "tokenizer": "char"},
     "rollout": {"n": 8, "max_new_tokens": 16},
     "actor": {"lr": 1e-4, "mini_batch_size": 4, "use_kl_loss": True},
     "trainer": {"steps": 20},

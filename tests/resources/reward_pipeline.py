@@ -55,7 +55,7 @@ pipeline = Pipeline(
     ],
     cluster=Cluster(num_nodes=1, cpus_per_node=8),
     config={
-        "data": {"batch_size": 6, "task": "add", "num_rows": 64},
+        "data": {"batch_size": 6, "task": "add", "num_rows": 64, "tokenizer": "char"},  # no policy to take one from
         "generate": {"n": 4},
         "reward": {"micro_batch_size": 2},
         "trainer": {"steps": 1},

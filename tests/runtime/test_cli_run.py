@@ -43,7 +43,7 @@ def test_sigterm_during_start_up_exits_143_with_one_line(tmp_path, after_s):
     assert lines[-1] == "interrupted by SIGTERM: everything this run had started was shut down", output
     assert "Traceback" not in output and "Aborted" not in output, output
     gone, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, [p.info for p in alive] if alive else None
+    assert not alive, [(p.pid, p.name()) for p in alive]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])

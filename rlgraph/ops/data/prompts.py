@@ -35,17 +35,18 @@ With an empty ``path`` the rows are generated: ``num_rows`` train rows of the bu
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from rlgraph.errors import RLGraphError
 from rlgraph.ops.models import CHAR_TOKENIZER, tokenizer_at
-from rlgraph.ops.settings import DataSettings
+from rlgraph.ops.settings import ActorSettings, DataSettings
 
 __all__ = ["PromptDataError", "PromptTooLongError", "PromptSource", "read_table_rows", "tokenizer_path"]
 
@@ -135,41 +136,30 @@ def read_first_rows(path: str | Path, n: int = PREFLIGHT_ROWS) -> list[dict[str,
         return batch.to_pylist() if batch is not None else []
     if p.suffix not in (".jsonl", ".json"):
         raise PromptDataError(f"prompt file {str(p)!r} has extension {p.suffix!r}; use .parquet or .jsonl")
-    rows: list[dict[str, Any]] = []
     with p.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if len(rows) >= n:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptDataError(f"{str(p)!r} line {line_no} is not valid JSON ({e}); JSONL holds one JSON "
-                                      f"object per line") from None
-            if not isinstance(row, dict):
-                raise PromptDataError(f"{str(p)!r} line {line_no} is a JSON {type(row).__name__}, not an object; "
-                                      f"JSONL holds one object (one prompt row) per line")
-            rows.append(row)
-    return rows
+        return list(itertools.islice(_json_rows(p, f), n))
+
+
+def _json_rows(path: Path, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON object of each non-blank line of JSONL file `path`, in order; a line that is not one
+    is a `PromptDataError` naming it."""
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptDataError(f"{str(path)!r} line {line_no} is not valid JSON ({e}); JSONL holds one JSON "
+                                  f"object per line") from None
+        if not isinstance(row, dict):
+            raise PromptDataError(f"{str(path)!r} line {line_no} is a JSON {type(row).__name__}, not an object; "
+                                  f"JSONL holds one object (one prompt row) per line")
+        yield row
 
 
 def _read_locally(path: Path, kind: str) -> list[dict[str, Any]]:
     if kind == "json":
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptDataError(f"{str(path)!r} line {n} is not valid JSON ({e}); JSONL holds one JSON "
-                                      f"object per line") from None
-            if not isinstance(row, dict):
-                raise PromptDataError(f"{str(path)!r} line {n} is a JSON {type(row).__name__}, not an object; "
-                                      f"JSONL holds one object (one prompt row) per line")
-            rows.append(row)
-        return rows
+        return list(_json_rows(path, path.read_text().splitlines()))
     import pyarrow.parquet as pq
 
     try:
@@ -432,8 +422,7 @@ class PromptSource:
         cfg = DataSettings.read(config)
         notes: list[str] = []
         path = tokenizer_path(cfg.tokenizer, plan_config)
-        actor = (plan_config or {}).get("actor") or {}
-        model = Path(str(actor.get("model_path", ""))).expanduser() if actor.get("model_path") else None
+        model = Path(_model_path(plan_config)).expanduser() if _model_path(plan_config) else None
         tokenizer = None
         if path != CHAR_TOKENIZER and not Path(path).expanduser().exists():
             if cfg.tokenizer:  # named by the user: it must be there
@@ -518,13 +507,18 @@ def _vocab_size(config_json: Path) -> int | None:
     return None
 
 
+def _model_path(plan_config: Mapping[str, Any] | None) -> str:
+    """actor.model_path of a plan's nested config ("" when it has no actor section)."""
+    actor = (plan_config or {}).get("actor")
+    return ActorSettings.read(actor).model_path if isinstance(actor, Mapping) else ""
+
+
 def tokenizer_path(tokenizer: str, plan_config: Mapping[str, Any] | None) -> str:
     """What ``data.tokenizer`` names: itself when set (a directory, or ``char``), else the policy's
     own, ``actor.model_path`` of the plan's config."""
     if tokenizer:
         return tokenizer
-    actor = (plan_config or {}).get("actor")
-    model = actor.get("model_path", "") if isinstance(actor, Mapping) else ""
+    model = _model_path(plan_config)
     if not model:
         raise PromptDataError("data.tokenizer is empty and the pipeline has no actor.model_path to take the "
                               "tokenizer from; set data.tokenizer to the policy's HF directory, or "
