@@ -191,6 +191,30 @@ def test_resume_continues_exactly(tq_plane, tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1, 2, 3]
 
 
+def test_a_damaged_checkpoint_is_refused_and_fallback_resumes_from_the_good_one(tq_plane, tmp_path):
+    """A flipped bit in the latest checkpoint: --resume names the file and the good checkpoint;
+    --resume --fallback continues from that one and ends as the uninterrupted run."""
+    from rlgraph.runtime.checkpoint import CheckpointDamaged
+
+    plan = _plan(*PADDED, "trainer.save_every=1", "trainer.keep_checkpoints=2")
+    full = _run(plan, tmp_path / "full", tq_plane, steps=4)
+    _run(plan, tmp_path / "cut", tq_plane, steps=3)
+    ckpts = tmp_path / "cut" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_1", "step_2"]  # the newest 2 kept
+    damaged = next(p for p in sorted((ckpts / "step_2").iterdir()) if p.suffix == ".safetensors")
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x04
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged, match=rf"{damaged.name} has sha256 .*the newest good checkpoint is "
+                                                 rf"'.*step_1': resume from it with --resume --fallback"):
+        _run(plan, tmp_path / "cut", tq_plane, steps=4, resume=True)
+    with pytest.warns(RuntimeWarning, match="--fallback: resuming from"):
+        resumed = _run(plan, tmp_path / "cut", tq_plane, steps=4, resume=True, fallback=True)
+    assert [r["step"] for r in resumed] == [2, 3]
+    assert _stable(resumed) == _stable(full[2:])
+    assert (ckpts / "step_2.damaged").is_dir()
+
+
 @pytest.mark.slow
 def test_resume_with_another_config_is_refused(tq_plane, tmp_path):
     from rlgraph.runtime.checkpoint import CheckpointError
