@@ -10,10 +10,15 @@ with a list, instead of a placement group that waits forever (peers hang here).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.config import flatten
@@ -110,23 +115,56 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
     # hold their ports for a minute)
     start_reaper()
     try:
-        ray.init(
-            # "local": always a new Ray of our own on 127.0.0.1; never join a cluster named by
-            # RAY_ADDRESS or left by `ray start` (only --address joins one)
-            address="local",
-            num_cpus=max(int(plan.cluster.cpus_per_node), 1),
-            num_gpus=_local_gpus(),
-            include_dashboard=False,
-            _node_ip_address=LOOPBACK,
-            log_to_driver=verbose,
-            configure_logging=False,
-        )
+        with _stderr_held(not verbose):
+            ray.init(
+                # "local": always a new Ray of our own on 127.0.0.1; never join a cluster named by
+                # RAY_ADDRESS or left by `ray start` (only --address joins one)
+                address="local",
+                num_cpus=max(int(plan.cluster.cpus_per_node), 1),
+                num_gpus=_local_gpus(),
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                log_to_driver=verbose,
+                configure_logging=False,
+            )
     except Exception as e:
         raise ClusterError(f"cannot start a local Ray on {LOOPBACK}: {type(e).__name__}: {e}; check free disk space "
                            f"in the Ray temp folder (/tmp/ray) and leftover Ray processes (`ray stop` ends "
                            f"those you started), or join a running cluster with --address") from e
     _mark_and_prune()
     return RayHandle(started_here=True, address=None, token_auth=_token_auth())
+
+
+@contextlib.contextmanager
+def _stderr_held(hold: bool) -> Iterator[None]:
+    """While ``ray.init`` runs, this process's stderr (fd 2) goes to a temp file, written out after
+    it unless a stop signal (Ctrl-C, SIGTERM) cut it short: a signal landing in Ray's C++ start-up
+    makes Ray's failure-signal handler print a stack dump, and an interrupted run says one line."""
+    if not hold:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        stopped = False
+        try:
+            yield
+        except KeyboardInterrupt:
+            stopped = True
+            raise
+        except SystemExit as e:  # Ray's own SIGTERM handler, installed while ray.init runs
+            stopped = e.code == int(signal.SIGTERM)
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not stopped:
+                tmp.seek(0)
+                held = tmp.read()
+                if held:
+                    os.write(2, held)
 
 
 def _token_auth() -> bool | None:
