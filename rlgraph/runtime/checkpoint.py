@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -41,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.plan import Plan
+from rlgraph.runtime.rundir import checkpoint_steps, fsync
 
 __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
            "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
@@ -221,14 +221,6 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return meta
 
 
-def checkpoint_steps(out_dir: Path) -> list[int]:
-    """The steps of the complete ``step_<k>`` checkpoints under ``out_dir/checkpoints`` (those with a meta.json), sorted."""
-    root = Path(out_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "meta.json").is_file())
-
-
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The newest complete ``step_<k>`` checkpoint under ``out_dir/checkpoints`` (has meta.json).
 
@@ -258,16 +250,6 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # a directory on a file system that cannot sync one
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(out_dir: Path, step: int, states: Mapping[str, Any], plan: Plan, keep: int = 0) -> Path:
     """Write `states` (name -> state) as ``out_dir/checkpoints/step_<step>``, complete or not at all:
     written into ``step_<step>.tmp``, every file's sha256 in meta.json, files and folder fsynced, then
@@ -282,12 +264,12 @@ def write_checkpoint(out_dir: Path, step: int, states: Mapping[str, Any], plan: 
     (tmp / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step, "pipeline": plan.pipeline,
                                                "config": plan.config, "files": files}))
     for p in tmp.iterdir():
-        _fsync(p)
-    _fsync(tmp)
+        fsync(p)
+    fsync(tmp)
     if d.exists():
         shutil.rmtree(d)
     tmp.rename(d)
-    _fsync(d.parent)
+    fsync(d.parent)
     if keep > 0:
         for old in checkpoint_steps(out_dir)[:-keep]:
             shutil.rmtree(Path(out_dir) / "checkpoints" / f"step_{old}", ignore_errors=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rlgraph.errors import RLGraphError
 
-__all__ = ["RunDirError", "RunDirState", "check_run_dir", "run_dir_state", "write_atomic", "fsync_dir",
+__all__ = ["RunDirError", "RunDirState", "check_run_dir", "run_dir_state", "write_atomic", "fsync", "checkpoint_steps",
            "RUN_OUTPUTS", "MIN_FREE_BYTES"]
 
 # what `rlgraph run` writes into its directory; --overwrite deletes these and nothing else (plan.json
@@ -59,9 +59,17 @@ class RunDirState:
         return " and ".join(parts)
 
 
-def run_dir_state(out: Path) -> RunDirState:
-    from rlgraph.runtime.checkpoint import checkpoint_steps
+def checkpoint_steps(out_dir: Path) -> list[int]:
+    """The steps of the complete ``step_<k>`` checkpoints under ``out_dir/checkpoints`` (those with a
+    meta.json), sorted. Here, not in `checkpoint` (which imports torch): the CLI checks a run
+    directory before anything heavy is imported."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / "meta.json").is_file())
 
+
+def run_dir_state(out: Path) -> RunDirState:
     metrics = Path(out) / "metrics.jsonl"
     steps = 0
     if metrics.is_file():
@@ -131,8 +139,9 @@ def check_run_dir(out: Path, *, resume: bool = False, overwrite: bool = False,
     return state
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in directory `path` durable (a no-op where directories cannot be opened)."""
+def fsync(path: Path) -> None:
+    """Make a file, or a rename or new entry in a directory, durable (a no-op where it cannot be opened or
+    the file system cannot sync it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -154,5 +163,5 @@ def write_atomic(path: Path, data: bytes | str) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync(path.parent)
     return path

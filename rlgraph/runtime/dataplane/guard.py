@@ -154,14 +154,12 @@ def install(secret: str) -> None:
 
 def guarded_actor_class(actor_class: Any, secret: str) -> Any:
     """A Ray actor class made from TransferQueue's `actor_class` (``@ray.remote`` on TQ's class)
-    whose constructor installs `secret` before TQ's constructor opens its sockets. Its Ray
-    options (CPUs and the rest) are TQ's."""
+    whose constructor installs `secret` before TQ's constructor opens its sockets. Its CPUs and
+    GPUs are TQ's."""
     import ray
 
     meta = actor_class.__ray_metadata__
-    base = meta.modified_class.__ray_actor_class__ if hasattr(meta.modified_class, "__ray_actor_class__") \
-        else meta.modified_class
-    base = next((c for c in base.__mro__ if c.__name__ == meta.class_name), base)
+    base = meta.modified_class.__ray_actor_class__  # the class TQ decorated
 
     class Guarded(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
