@@ -240,3 +240,42 @@ def write_findings(doc: Path = DOC) -> None:
     if FINDINGS.exists():
         write_section(Section("findings", "Findings", FINDINGS.read_text(), [], command="(analysis of the tables above)"),
                       doc)
+
+
+# ---------------------------------------------------------------------------- memory of one process
+QWEN25_05B = dict(  # Qwen2.5-0.5B's architecture (its config.json), for random-initialised models of a real shape
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True)
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident memory (VmHWM) to its current size; returns that size in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def peak_rss(pid: int | str = "self") -> int:
+    """The peak resident memory (VmHWM) of a process since it started or since `reset_peak_rss`, in bytes."""
+    return _status_kb("VmHWM", pid) * 1024
+
+
+def _status_kb(field: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def run_child(module: str, args: Sequence[str], timeout_s: float = 1800) -> dict[str, Any]:
+    """Run ``python -m <module> --child ARGS`` (one measurement in a fresh process, so nothing another one
+    allocated is counted) and return the JSON object it prints last."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", module, "--child", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

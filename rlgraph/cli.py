@@ -481,16 +481,21 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
               help="The model directory the run started from, if it moved [default: the run's actor.model_path, "
                    "or critic.model_path].")
 @click.option("--overwrite", is_flag=True, help="Replace HF_DIR if it is not empty.")
+@click.option("--merge", is_flag=True, help="A LoRA run: write the base model with the adapters merged into its "
+                                            "weights [default: the adapter alone, in peft's layout].")
 def export_command(run_dir: Path, out_dir: Path, step: int | None, what: str, base: Path | None,
-                   overwrite: bool) -> None:
+                   overwrite: bool, merge: bool) -> None:
     """Write the trained model of RUN_DIR (an `rlgraph run -o` directory with checkpoints) to HF_DIR
     as a Hugging Face save_pretrained directory: config, safetensors weights, tokenizer, generation
-    config. transformers' from_pretrained and vLLM load it."""
+    config. transformers' from_pretrained and vLLM load it. A LoRA run exports its adapter (peft's
+    layout), or with --merge the base model with the adapters merged in."""
     from rlgraph.runtime.export import export_model
 
-    done = export_model(run_dir, out_dir, step=step, what=what, base=base, overwrite=overwrite)  # type: ignore[arg-type]
-    click.echo(f"exported the {done.what} of step {done.step} ({done.state}, {done.parameters:,} parameters, "
-               f"architecture and tokenizer of {done.base}) to {done.out_dir}")
+    done = export_model(run_dir, out_dir, step=step, what=what, base=base, overwrite=overwrite,  # type: ignore[arg-type]
+                        merge=merge)
+    what_it_is = {"adapter": f"LoRA adapter of the {done.what}", "merged": f"{done.what} with its LoRA merged"}
+    click.echo(f"exported the {what_it_is.get(done.kind, done.what)} of step {done.step} ({done.state}, "
+               f"{done.parameters:,} parameters, architecture and tokenizer of {done.base}) to {done.out_dir}")
 
 
 def main() -> None:

@@ -129,8 +129,8 @@ else
 fi
 
 # ---------------------------------------------------------------- rlgraph
-say "[2/3] installing rlgraph with its test and DeepSpeed extras"
-pip_install -c scripts/constraints.txt -e ".[test,deepspeed]"
+say "[2/3] installing rlgraph with its test, DeepSpeed and LoRA (peft) extras"
+pip_install -c scripts/constraints.txt -e ".[test,deepspeed,lora]"
 
 if [ -n "$VLLM" ]; then
     if [ "$VLLM" = cpu ]; then

@@ -220,6 +220,7 @@ def config_schema_table(schema: Mapping[str, Param], config: Mapping[str, Any],
                         overrides: Mapping[str, str] | None = None) -> Table:
     """Every config key of a pipeline: type, default, current value and doc, in schema order."""
     t = _table("config keys", "key", "type", "default", "value", "verl alias", "doc")
+    t.columns[0].min_width = max((len(k) for k in schema), default=3)  # a key is never folded: it is what you type
     for key, p in schema.items():
         value = format_value(config.get(key, p.default)) + (" (override)" if key in (overrides or {}) else "")
         _row(t, key, p.type_name, format_value(p.default), value, ", ".join(p.verl) or "-", _doc(p))

@@ -33,8 +33,7 @@ VERL_UNSUPPORTED: Mapping[str, str] = MappingProxyType({
     "actor_rollout_ref.rollout.name": "set rollout.backend (hf or vllm)",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "rlgraph's vLLM rollout runs one engine per rank "
                                                             "without tensor parallelism",
-    "actor_rollout_ref.actor.fsdp_config.param_offload": "use actor.backend=deepspeed with actor.zero_stage=3",
-    "actor_rollout_ref.actor.strategy": "set actor.backend (torch or deepspeed)",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "use actor.backend=fsdp2 with actor.cpu_offload=true",
     "trainer.default_local_dir": "pass the run directory with rlgraph run -o DIR",
     "trainer.val_before_train": "validation runs every trainer.val_every steps",
     "trainer.device": "devices come from the worker groups' num_gpus",
@@ -42,6 +41,21 @@ VERL_UNSUPPORTED: Mapping[str, str] = MappingProxyType({
     "custom_reward_function.path": "set reward.fn='file.py:function'",
     "custom_reward_function.name": "set reward.fn='file.py:function'",
 })
+
+# verl's switch for token-budget micro-batches -> the budget key it enables (verl's default budget: 16384);
+# rlgraph has the budget only (0: off)
+_DYNAMIC_BSZ: Mapping[str, str] = MappingProxyType({
+    "actor_rollout_ref.actor.use_dynamic_bsz": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "critic.use_dynamic_bsz": "critic.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+})
+_VERL_DEFAULT_BUDGET = "16384"
+# verl's training strategies -> rlgraph's backend (FSDP1 is taken as FSDP2, its successor)
+_STRATEGIES = {"fsdp": "fsdp2", "fsdp2": "fsdp2"}
+_STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor.strategy", "critic.strategy")
+# rlgraph's own other spellings, declared in the same tables (not verl keys)
+_SPELLINGS = frozenset({"actor.strategy", "actor.lora.rank", "actor.lora.alpha", "actor.lora.target_modules"})
 
 # top-level sections only verl has: any key under them is a verl key
 _VERL_ONLY = ("actor_rollout_ref.", "custom_reward_function.")
@@ -62,6 +76,7 @@ def translate_verl_keys(raw: Mapping[str, str], schema: Mapping[str, Param]) -> 
             aliases.setdefault(verl, []).append(ours)
     out: dict[str, str] = {}
     problems: list[Problem] = []
+    raw = _dynamic_bsz(raw)
     for key, value in raw.items():
         if key in schema:
             out[key] = value
@@ -79,7 +94,15 @@ def translate_verl_keys(raw: Mapping[str, str], schema: Mapping[str, Param]) -> 
                 continue
             if key in _NEVER and value.strip() == "-1":
                 value = "0"
-            warnings.warn(VerlAliasNotice(f"{key} is verl's name for {ours}; using {ours}={value}"), stacklevel=2)
+            if key in _STRATEGY_KEYS:
+                if value.strip() == "megatron":
+                    problems.append(Problem("config-unknown-key", f"{key}=megatron: rlgraph has no Megatron backend",
+                                            f"set {ours}=fsdp2 (sharded weights, gradients and optimizer state) or "
+                                            f"{ours}=deepspeed"))
+                    continue
+                value = _STRATEGIES.get(value.strip(), value)
+            whose = "another name" if key in _SPELLINGS else "verl's name"
+            warnings.warn(VerlAliasNotice(f"{key} is {whose} for {ours}; using {ours}={value}"), stacklevel=2)
             out[ours] = value
         elif key in VERL_UNSUPPORTED:
             problems.append(Problem("config-unknown-key", f"{key!r} is a verl config key with no rlgraph equivalent",
@@ -91,3 +114,25 @@ def translate_verl_keys(raw: Mapping[str, str], schema: Mapping[str, Param]) -> 
         else:
             out[key] = value
     return out, problems
+
+
+def _dynamic_bsz(raw: Mapping[str, str]) -> dict[str, str]:
+    """verl's ``use_dynamic_bsz`` switches as the budget keys they enable: true gives the budget key its value
+    (verl's default 16384 when unset), false drops it (verl ignores the budget then), each with a notice."""
+    out = dict(raw)
+    for flag, budget in _DYNAMIC_BSZ.items():
+        if flag not in out:
+            if budget in out:
+                warnings.warn(VerlAliasNotice(f"{budget} without {flag}=true is ignored, as verl ignores it"),
+                              stacklevel=3)
+                out.pop(budget)
+            continue
+        on = out.pop(flag).strip().lower() in ("true", "1", "yes")
+        if on:
+            out.setdefault(budget, _VERL_DEFAULT_BUDGET)
+            warnings.warn(VerlAliasNotice(f"{flag}=true: micro-batches by the token budget {budget}="
+                                          f"{out[budget]}"), stacklevel=3)
+        elif budget in out:
+            warnings.warn(VerlAliasNotice(f"{flag}=false: {budget} is ignored, as verl ignores it"), stacklevel=3)
+            out.pop(budget)
+    return out

@@ -37,4 +37,4 @@ ON_ERROR = ("fail", "zero", "drop_group")
 EXECUTORS = ("thread", "process")
 
 # training engines behind update_actor / update_critic
-ENGINE_BACKENDS = ("torch", "deepspeed")
+ENGINE_BACKENDS = ("torch", "deepspeed", "fsdp2")

@@ -250,13 +250,17 @@ class ForwardSettings(Section):
 
     micro_batch_size: int = Field(16, ge=1)
     """samples per forward pass on a rank"""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """split each call's samples into forward passes of at most this many tokens (prompt + response; a longer
+    sample alone); 0: one pass per call (verl: log_prob_max_token_len_per_gpu)"""
 
 
 class OldLogprobSettings(ForwardSettings):
     """`old_logprob`'s settings (``old_logprob.*``)."""
 
     namespace: ClassVar[str] = "old_logprob"
-    verl: _Verl = {"micro_batch_size": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",)}
+    verl: _Verl = {"micro_batch_size": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",),
+                   "max_tokens_per_micro_batch": ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",)}
 
     compare_rollout: bool = True
     """compare with the rollout engine's log-probs of the same tokens (rollout_probs_diff_mean/max metrics);
@@ -267,7 +271,8 @@ class RefSettings(ForwardSettings):
     """`ref`'s settings (``ref.*``)."""
 
     namespace: ClassVar[str] = "ref"
-    verl: _Verl = {"micro_batch_size": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",)}
+    verl: _Verl = {"micro_batch_size": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",),
+                   "max_tokens_per_micro_batch": ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",)}
 
     model_path: str = ""
     """reference model directory (default: actor.model_path)"""
@@ -335,9 +340,24 @@ class UpdateSettings(Section):
     loss_agg_mode: Literal[AGG_MODES] = "token-mean"  # type: ignore[valid-type]
     """how token losses are aggregated"""
     backend: Literal[ENGINE_BACKENDS] = "torch"  # type: ignore[valid-type]
-    """torch (DDP over gloo/nccl) or deepspeed"""
+    """torch (DDP over gloo/nccl: every rank holds the whole model and optimizer), deepspeed (ZeRO, see
+    zero_stage) or fsdp2 (torch's fully_shard: weights, gradients and optimizer state sharded over the ranks;
+    verl: strategy=fsdp2)"""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage (backend=deepspeed)"""
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field("auto", json_schema_extra=SETUP)
+    """backend=fsdp2: bf16 computes in bfloat16 with float32 master weights and float32 gradient reduction; auto:
+    bf16 on a CUDA GPU that supports it, fp32 elsewhere (CPU)"""
+    cpu_offload: bool = Field(False, json_schema_extra=SETUP)
+    """backend=fsdp2: keep weight shards, gradients and optimizer state in CPU memory between uses"""
+    gradient_checkpointing: bool = Field(False, json_schema_extra=SETUP)
+    """recompute each layer's activations in the backward pass instead of keeping them (less memory, about a
+    third more compute; verl: enable_gradient_checkpointing)"""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """form micro-batches by a token budget instead of micro_batch_size samples: the fewest parts of a
+    mini-batch whose prompt + response tokens fit it (a longer sample alone), as many on every rank, with the
+    batch's samples first balanced over the dp ranks by length; 0: off (verl: use_dynamic_bsz with
+    ppo_max_token_len_per_gpu)"""
 
 
 class CriticSettings(UpdateSettings):
@@ -349,6 +369,9 @@ class CriticSettings(UpdateSettings):
         "lr": ("critic.optim.lr",),
         "mini_batch_size": ("critic.ppo_mini_batch_size",),
         "micro_batch_size": ("critic.ppo_micro_batch_size_per_gpu",),
+        "backend": ("critic.strategy",),
+        "max_tokens_per_micro_batch": ("critic.ppo_max_token_len_per_gpu",),
+        "gradient_checkpointing": ("critic.model.enable_gradient_checkpointing",),
     }
 
     lr: float = Field(1e-5, ge=0.0)
@@ -379,6 +402,14 @@ class ActorSettings(UpdateSettings):
         "lr": ("actor_rollout_ref.actor.optim.lr",),
         "weight_decay": ("actor_rollout_ref.actor.optim.weight_decay",),
         "lr_warmup_steps": ("actor_rollout_ref.actor.optim.lr_warmup_steps",),
+        "backend": ("actor_rollout_ref.actor.strategy", "actor.strategy"),
+        "max_tokens_per_micro_batch": ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",),
+        "gradient_checkpointing": ("actor_rollout_ref.model.enable_gradient_checkpointing",),
+        "packing": ("actor_rollout_ref.model.use_remove_padding",),
+        "lora_rank": ("actor_rollout_ref.model.lora_rank", "actor.lora.rank"),
+        "lora_alpha": ("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha"),
+        "lora_target_modules": ("actor_rollout_ref.model.target_modules", "actor.lora.target_modules"),
+        "cpu_offload": ("actor_rollout_ref.actor.fsdp_config.offload_policy",),
     }
 
     lr: float = Field(1e-6, ge=0.0)
@@ -408,6 +439,24 @@ class ActorSettings(UpdateSettings):
     """decoupled PPO (AReaL) for off-policy samples: clip the ratio against old_log_probs (the proximal policy,
     recomputed by the current one) and weight each token by exp(old_log_probs - rollout_log_probs), dropping
     tokens whose weight exceeds this cap (> 1; AReaL uses 5); 0: off"""
+    packing: bool = Field(False, json_schema_extra=SETUP)
+    """padding-free forward and backward passes of the policy (update, old_logprob, ref): a micro-batch's samples
+    end to end in one row, positions restarting per sample, attention kept within each; no padding token is
+    computed (verl: use_remove_padding)"""
+    logprob_chunk_size: int = Field(1024, ge=0, json_schema_extra=SETUP)
+    """log-probs and entropy are computed this many positions at a time from the last hidden states (the
+    [tokens, vocab] logits are never held whole; in training each chunk is recomputed in the backward pass);
+    0: the whole response at once"""
+    lora_rank: int = Field(0, ge=0, json_schema_extra=SETUP)
+    """train LoRA adapters of this rank (peft) instead of all weights; the reference log-probs come from the same
+    model with the adapters off; 0: full fine-tuning (also accepted as actor.lora.rank)"""
+    lora_alpha: float = Field(16.0, ge=0.0, json_schema_extra=SETUP)
+    """LoRA scale numerator: adapters add (lora_alpha / lora_rank) * B @ A (also actor.lora.alpha)"""
+    lora_target_modules: str = Field("all-linear", json_schema_extra=SETUP)
+    """the linear layers that get adapters: all-linear, or comma-separated module names such as q_proj,v_proj
+    (also actor.lora.target_modules)"""
+    lora_dropout: float = Field(0.0, ge=0.0, json_schema_extra=SETUP)
+    """dropout on the adapters' input in training"""
 
 
 # every built-in section, the trainer's, the data plane's and the cluster's included

@@ -482,12 +482,34 @@ def update_critic(group: str = "critic", **changes: Any) -> OpSpec:
         params=params_of(CriticSettings),
         impl="rlgraph.ops.train.critic:CriticWorker.update_critic",
         batching=Batching(mini_batch="mini_batch_size", micro_batch="micro_batch_size", epochs="ppo_epochs"),
+        validate=lambda params, connected: _validate_engine("critic", params),
         cost=3.0,
     ).with_(**changes)
 
 
-def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+def _validate_engine(ns: str, params: Mapping[str, Any]) -> list[Problem]:
+    """Engine keys that only one backend reads, set for another: refused, never silently ignored."""
     out = []
+    backend = params.get("backend")
+    if backend != "fsdp2":
+        if params.get("cpu_offload"):
+            out.append(Problem("op-config", f"{ns}.cpu_offload=true is an FSDP2 option, but {ns}.backend={backend}",
+                               f"set {ns}.backend=fsdp2, or for DeepSpeed use {ns}.zero_stage=3 with ZeRO offload"))
+        if params.get("mixed_precision") == "bf16":
+            out.append(Problem("op-config", f"{ns}.mixed_precision=bf16 is an FSDP2 option, but {ns}.backend={backend}",
+                               f"set {ns}.backend=fsdp2, or {ns}.mixed_precision=auto"))
+    if params.get("zero_stage") and backend != "deepspeed":
+        out.append(Problem("op-config", f"{ns}.zero_stage={params['zero_stage']} is a DeepSpeed option, but "
+                           f"{ns}.backend={backend}", f"set {ns}.backend=deepspeed, or {ns}.zero_stage=0 (fsdp2 "
+                           f"shards like ZeRO-3)"))
+    return out
+
+
+def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    out = _validate_engine("actor", params)
+    if params.get("lora_rank") and not params.get("lora_alpha"):
+        out.append(Problem("op-config", "actor.lora_alpha=0 makes the LoRA adapters add nothing",
+                           "set actor.lora_alpha > 0 (commonly 2 x actor.lora_rank)"))
     if params.get("use_kl_loss") and "ref_log_prob" not in connected:
         out.append(Problem("op-config", "actor.use_kl_loss=true needs column 'ref_log_prob', which no op produces",
                            "add stages.ref() to the pipeline, or set actor.use_kl_loss=false", column="ref_log_prob"))

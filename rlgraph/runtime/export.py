@@ -12,6 +12,12 @@ backend load an exported policy as they load any checkpoint.
 
 The critic is exported as ``AutoModelForTokenClassification`` with one label, the form verl's
 critic and `load_critic` use; ``model(input_ids).logits[..., 0]`` is its value per token.
+
+A LoRA run (``actor.lora_rank > 0``) checkpoints the adapters only. Its export is the adapter in
+peft's layout (``adapter_config.json``, ``adapter_model.safetensors``, loadable with
+``PeftModel.from_pretrained(base, DIR)`` or served by vLLM's LoRA support), or with ``merge`` the
+base model with the adapters merged into its weights, a plain ``save_pretrained`` directory. Under
+FSDP2 the trainer's state is the rank's shards, so the weights come from the worker's whole copy.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Exported:
     state: str  # the checkpoint state it came from, <group>_<rank>
     base: Path  # the model directory whose config and tokenizer it reuses
     parameters: int
+    kind: str = "model"  # model, adapter (a LoRA run's, peft layout) or merged (LoRA merged into the base)
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -72,6 +79,7 @@ def _trained_model(ckpt: Path, what: str) -> tuple[str, list[str]]:
     whose `what` worker class has trainer state (the group that ran the update)."""
     cls = WORKER_CLASSES[what]
     held, trained = [], []  # state names holding the worker class; those with trainer state
+    sharded: dict[str, bool] = {}  # FSDP2: the trainer holds shards; the worker's own "model" is whole
     for js in sorted(ckpt.glob("*.json")):
         name = js.stem
         if name in _NOT_STATE or not name.rsplit("_", 1)[-1].isdigit():
@@ -82,6 +90,7 @@ def _trained_model(ckpt: Path, what: str) -> tuple[str, list[str]]:
             trainer = inst[cls].get("__dict__", {}).get("trainer")
             if isinstance(trainer, dict) and "model" in trainer.get("__dict__", {}):
                 trained.append(name)
+                sharded[name] = trainer["__dict__"].get("backend") == "fsdp2"
     if not held:
         other = "critic" if what == "actor" else "actor"
         raise ExportError(f"checkpoint {str(ckpt)!r} holds no {what} model (no {cls} worker state): the pipeline "
@@ -91,7 +100,7 @@ def _trained_model(ckpt: Path, what: str) -> tuple[str, list[str]]:
                           f"it was written ({', '.join(held)} hold untrained copies); export a later --step")
     # rank 0 of the (first) group that trains it; the engine's copy is the full weights even under ZeRO-3
     name = next((n for n in trained if n.endswith("_0")), trained[0])
-    return name, ["instances", cls, "trainer", "model"]
+    return name, ["instances", cls, "model"] if sharded[name] else ["instances", cls, "trainer", "model"]
 
 
 def _base(config: Mapping[str, Any], what: str, base: Path | None) -> Path:
@@ -135,9 +144,10 @@ def _inside(a: Path, b: Path) -> bool:
 
 def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
                  what: Literal["actor", "critic"] = "actor", base: str | Path | None = None,
-                 overwrite: bool = False) -> Exported:
+                 overwrite: bool = False, merge: bool = False) -> Exported:
     """Write the `what` model of `run_dir`'s checkpoint `step` (default: the latest) to `out_dir`
-    as a Hugging Face ``save_pretrained`` directory."""
+    as a Hugging Face ``save_pretrained`` directory (a LoRA run: its adapter, or with `merge` the
+    merged model)."""
     import torch
 
     from rlgraph.ops.models import load_tokenizer
@@ -157,26 +167,19 @@ def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None =
         raise ExportError(f"output directory {str(out_dir)!r} is not empty; give a new one, or --overwrite")
 
     weights = load_part(ckpt, name, path)
-    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
-    model = _build(what, base_dir, dtypes.pop() if len(dtypes) == 1 else torch.float32)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ExportError(f"the {what} weights in {str(ckpt / name)!r} do not fit the architecture of "
-                          f"{str(base_dir)!r}: missing {missing[:5]}, unexpected {extra[:5]}; pass --base with the "
-                          f"model the run started from")
-    wrong = [f"{k}: {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-             if tuple(weights[k].shape) != tuple(v.shape)]
-    if wrong:
-        raise ExportError(f"the {what} weights in {str(ckpt / name)!r} have other shapes than {str(base_dir)!r}'s "
-                          f"architecture ({'; '.join(wrong[:3])}); pass --base with the model the run started from")
-    with torch.no_grad():
-        model.load_state_dict({k: weights[k] for k in expected}, strict=True)
-    model.eval()
+    lora = any(".lora_" in k for k in weights)
+    if merge and not lora:
+        raise ExportError(f"--merge merges LoRA adapters, but the {what} of {str(run_dir)!r} trained all its weights "
+                          f"(no actor.lora_rank); export without --merge")
+    adapter = None
+    if lora:
+        adapter = _lora_model(weights, meta.get("config", {}), base_dir, ckpt / name)
+        model = _merged(adapter, base_dir) if merge else None
+    else:
+        model = _loaded(what, weights, base_dir, ckpt / name)
 
     tokenizer = load_tokenizer(base_dir)
-    if what == "actor":
+    if model is not None and what == "actor":
         from transformers import GenerationConfig
 
         try:  # the base model's sampling defaults and special ids, as the run generated with them
@@ -187,14 +190,75 @@ def export_model(run_dir: str | Path, out_dir: str | Path, *, step: int | None =
     tmp = out_dir.with_name(out_dir.name + ".rlgraph-export.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    if model is not None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        parameters = sum(int(p.numel()) for p in model.parameters())
+    else:
+        from rlgraph.ops.train.lora import save_adapter
+
+        save_adapter(adapter, tmp, base_dir)
+        parameters = sum(int(t.numel()) for t in weights.values())
     tokenizer.save_pretrained(tmp)
+    kind = "adapter" if model is None else ("merged" if lora else "model")
     done = Exported(out_dir=out_dir, what=what, step=int(meta["step"]), state=name, base=base_dir,
-                    parameters=sum(int(p.numel()) for p in model.parameters()))
+                    parameters=parameters, kind=kind)
     (tmp / "rlgraph_export.json").write_text(json.dumps({
         "run_dir": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()), "step": done.step, "what": what,
-        "state": name, "base": str(base_dir.resolve()), "pipeline": meta.get("pipeline")}, indent=1) + "\n")
+        "state": name, "base": str(base_dir.resolve()), "pipeline": meta.get("pipeline"), "kind": kind},
+        indent=1) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return done
+
+
+def _loaded(what: str, weights: Mapping[str, Any], base_dir: Path, where: Path) -> Any:
+    """The base's architecture holding `weights`, strictly: every weight present, none extra, same shapes."""
+    import torch
+
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    model = _build(what, base_dir, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise ExportError(f"the {what} weights in {str(where)!r} do not fit the architecture of "
+                          f"{str(base_dir)!r}: missing {missing[:5]}, unexpected {extra[:5]}; pass --base with the "
+                          f"model the run started from")
+    wrong = [f"{k}: {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+             if tuple(weights[k].shape) != tuple(v.shape)]
+    if wrong:
+        raise ExportError(f"the {what} weights in {str(where)!r} have other shapes than {str(base_dir)!r}'s "
+                          f"architecture ({'; '.join(wrong[:3])}); pass --base with the model the run started from")
+    with torch.no_grad():
+        model.load_state_dict({k: weights[k] for k in expected}, strict=True)
+    return model.eval()
+
+
+def _lora_model(weights: Mapping[str, Any], config: Mapping[str, Any], base_dir: Path, where: Path) -> Any:
+    """The base model (its own weights) with the run's LoRA adapters, holding the trained adapter weights."""
+    from rlgraph.ops.models import load_causal_lm
+    from rlgraph.ops.settings import ActorSettings
+    from rlgraph.ops.train.lora import apply_lora
+
+    s = ActorSettings.of(config)
+    if not s.lora_rank:
+        raise ExportError(f"{str(where)!r} holds LoRA adapter weights but the run's config has no actor.lora_rank")
+    model = load_causal_lm(base_dir)
+    apply_lora(model, s.lora_rank, s.lora_alpha, s.lora_target_modules, s.lora_dropout)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    if names != set(weights):
+        raise ExportError(f"the adapters in {str(where)!r} do not fit {str(base_dir)!r} with the run's LoRA settings: "
+                          f"missing {sorted(names - set(weights))[:5]}, unexpected {sorted(set(weights) - names)[:5]}; "
+                          f"pass --base with the model the run started from")
+    model.load_state_dict(dict(weights), strict=False)
+    return model.eval()
+
+
+def _merged(adapter_model: Any, base_dir: Path) -> Any:
+    from rlgraph.ops.train.lora import merged_weights
+
+    merged = merged_weights(adapter_model)
+    model = _build("actor", base_dir, next(iter(merged.values())).dtype)
+    model.load_state_dict(merged, strict=True)
+    return model.eval()

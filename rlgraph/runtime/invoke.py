@@ -79,6 +79,9 @@ class OpContext:
     state: Mapping[str, Any] = field(default_factory=dict)
     # timed events inside the call for the timeline: (start, end, lane, label), e.g. an agent's turns
     events: list[tuple[float, float, int, str]] = field(default_factory=list)
+    # 'module:qualname' of every op body this worker's group runs (a worker class's setup may depend on
+    # whether, e.g., the group trains the model it loads)
+    group_impls: tuple[str, ...] = ()
 
     def event(self, start: float, end: float, lane: int, label: str) -> None:
         """Record something that happened inside this call (times from `time.time()`): the timeline
@@ -275,7 +278,8 @@ class Invoker:
     def _worker_context(self) -> OpContext:
         return OpContext(op="", group=self.group, rank=self.rank, dp=self.dp, step=-1, chunk=-1,
                          seed=self.seed, rows=(), is_padding=(), config=self.plan.config,
-                         master_addr=self.master_addr, master_port=self.master_port, group_size=self.plan.batch.n)
+                         master_addr=self.master_addr, master_port=self.master_port, group_size=self.plan.batch.n,
+                         group_impls=tuple(self.plan.op(n).impl or "" for n in self.plan.group(self.group).ops))
 
     def _start(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
                inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None,

@@ -26,12 +26,16 @@ import torch
 
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.settings import TrainerSettings
-from rlgraph.ops.algos import (agg_loss, decoupled_weights, entropy_from_logits, gspo_policy_loss, kl_loss,
-                               logprobs_from_logits, masked_mean, policy_loss, rollout_probs_diff, truncated_is_weights)
+from rlgraph.ops.algos import (agg_loss, decoupled_weights, gspo_policy_loss, kl_loss, masked_mean, policy_loss,
+                               rollout_probs_diff, truncated_is_weights)
 from rlgraph.ops.models import load_causal_lm, load_tokenizer
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
-from rlgraph.ops.train.sequences import repack, response_logits
+from rlgraph.ops.train.engine.balance import balance_across_ranks, token_micro_batches
+from rlgraph.ops.train.engine.base import load_model_state, model_state
+from rlgraph.ops.train.logprobs import Layout, enable_token_logprobs, packed_layout, padded_layout, response_logprobs
+from rlgraph.ops.train.lora import adapters_disabled, apply_lora, has_lora, merged_weights
+from rlgraph.ops.train.sequences import Packed, repack
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
 
 __all__ = ["ActorWorker", "StalenessError"]
@@ -60,6 +64,13 @@ class ActorWorker(TrainerMixin):
         torch.manual_seed(self.seed)
         self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
         self.model = load_causal_lm(self.model_path)
+        self.packing, self.chunk = actor.packing, actor.logprob_chunk_size
+        # LoRA only where the policy trains: a generation-only group loads the merged weights it is sent
+        if actor.lora_rank and any(i.endswith("ActorWorker.update_actor") for i in ctx.group_impls):
+            apply_lora(self.model, actor.lora_rank, actor.lora_alpha, actor.lora_target_modules, actor.lora_dropout)
+        if actor.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_token_logprobs(self.model)
         self.model.eval()
         self.ref_model = None
         # weights made by any rank of this group are ours: DDP keeps the replicas identical, so
@@ -74,7 +85,7 @@ class ActorWorker(TrainerMixin):
         self.rollout_options = {k: getattr(rollout, k) for k in _ENGINE_OPTIONS}
         self.rollout_engine: Any = None  # a VLLMEngine, started on the first generate call
         self.engine_holds: int | None = None  # the policy_version the engine holds (None: unknown, sync it)
-        self.init_trainer(ctx)
+        self.init_trainer(ctx, actor)
 
     # ------------------------------------------------------------------ weights
     def _sync(self, policy_weights: Mapping[str, Any] | None) -> None:
@@ -91,7 +102,11 @@ class ActorWorker(TrainerMixin):
     def _weights(self, step: int) -> dict[str, Any]:
         """The policy_weights state column: the weights, their version, and the step that wrote them."""
         return {"step": step, "policy_version": self.policy_version, "owner": self.id,
-                "state": self.model.state_dict()}
+                "state": self._policy_state()}
+
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the base model's names (LoRA: merged, computed on the side)."""
+        return merged_weights(self.model) if has_lora(self.model) else self.model.state_dict()
 
     def _engine_ready(self, rank: int) -> dict[str, float]:
         """Start the vLLM engine if needed, wake it, give it the current weights; what it cost."""
@@ -113,7 +128,7 @@ class ActorWorker(TrainerMixin):
 
     def _to_engine(self) -> int:
         """Give the engine the model's weights, labelled with their policy version; bytes sent."""
-        sent = self.rollout_engine.load_weights(self.model.state_dict(), label=self.policy_version)
+        sent = self.rollout_engine.load_weights(self._policy_state(), label=self.policy_version)
         self.engine_holds = self.policy_version
         return sent
 
@@ -219,22 +234,58 @@ class ActorWorker(TrainerMixin):
         return True
 
     # ------------------------------------------------------------------ forward passes
+    def _layout(self, packed: Packed, loss_mask: torch.Tensor | None = None) -> tuple[Layout, torch.Tensor]:
+        """The forward layout of `packed`'s rows (packed: rows with nothing to score left out, at least one
+        kept so every rank runs a forward), and the rows it holds."""
+        if not self.packing:
+            return padded_layout(packed), torch.arange(packed.input_ids.shape[0])
+        has = (packed.response_mask if loss_mask is None else loss_mask).sum(dim=1) > 0
+        keep = has.nonzero().flatten()
+        if keep.numel() == 0:
+            keep = torch.zeros(1, dtype=torch.long)
+        sub = Packed(*(t[keep] for t in packed[:4]), packed.prompt_width, packed.response_width)
+        return packed_layout(sub), keep
+
+    def _scored(self, model: Any, packed: Packed, with_entropy: bool, loss_mask: torch.Tensor | None = None,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of `packed`'s responses, ``[b, R]``."""
+        layout, keep = self._layout(packed, loss_mask)
+        logp, ent = response_logprobs(model, layout, self.temperature, self.chunk, with_entropy, device=device)
+        if keep.numel() == packed.input_ids.shape[0]:
+            return logp, ent
+        b, R = packed.input_ids.shape[0], packed.response_width
+        full = logp.new_zeros((b, R)).index_copy(0, keep.to(logp.device), logp)
+        return full, (None if ent is None else ent.new_zeros((b, R)).index_copy(0, keep.to(ent.device), ent))
+
     @torch.no_grad()
     def _log_probs(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   ctx: Any, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        packed = repack(input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id)
-        logits = response_logits(model, packed, self.temperature)
-        logp = logprobs_from_logits(logits, packed.input_ids[:, packed.prompt_width:])
-        ent = entropy_from_logits(logits) if with_entropy else None
-        return logp * packed.response_mask, ent
+                   ctx: Any, with_entropy: bool, budget: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The call's rows in forward passes of at most `budget` tokens (0: one pass), ``[b, R]`` results."""
+        resp = list(ctx.lengths["response_len"])
+        whole = repack(input_ids, attention_mask, resp, self.tokenizer.pad_token_id)
+        if not budget:
+            logp, ent = self._scored(model, whole, with_entropy)
+            return logp * whole.response_mask, ent
+        b, R = input_ids.shape[0], whole.response_width
+        logp = torch.zeros((b, R))
+        ent = torch.zeros((b, R)) if with_entropy else None
+        for part in token_micro_batches(attention_mask.sum(dim=1).tolist(), budget):
+            rows = torch.tensor(part, dtype=torch.long)
+            sub = repack(input_ids[rows], attention_mask[rows], [resp[i] for i in part], self.tokenizer.pad_token_id)
+            lp, en = self._scored(model, sub, with_entropy)
+            logp[rows, :sub.response_width] = (lp * sub.response_mask).float()
+            if ent is not None and en is not None:
+                ent[rows, :sub.response_width] = en.float()
+        return logp, ent
 
     def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                          responses: torch.Tensor, response_mask: torch.Tensor,
                          policy_weights: Mapping[str, Any] | None = None,
                          rollout_log_probs: torch.Tensor | None = None, *, compare_rollout: bool,
-                         ctx: Any) -> dict[str, Any]:
+                         max_tokens_per_micro_batch: int = 0, ctx: Any) -> dict[str, Any]:
         self._sync(policy_weights)
-        logp, ent = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=True)
+        logp, ent = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=True,
+                                    budget=max_tokens_per_micro_batch)
         metrics: dict[str, float] = {}
         if compare_rollout and rollout_log_probs is not None:
             R = logp.shape[1]
@@ -245,13 +296,20 @@ class ActorWorker(TrainerMixin):
 
     def compute_ref_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                              responses: torch.Tensor, response_mask: torch.Tensor, *, model_path: str = "",
-                             ctx: Any) -> dict[str, Any]:
+                             max_tokens_per_micro_batch: int = 0, ctx: Any) -> dict[str, Any]:
+        path = model_path or self.model_path
+        if has_lora(self.model) and path == self.model_path:  # the base: this model with the adapters off
+            with adapters_disabled(self.model):
+                logp, _ = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=False,
+                                          budget=max_tokens_per_micro_batch)
+            return {"ref_log_prob": logp}
         if self.ref_model is None:
-            path = model_path or self.model_path
             self.ref_model = load_causal_lm(path)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
-        logp, _ = self._log_probs(self.ref_model, input_ids, attention_mask, ctx, with_entropy=False)
+            enable_token_logprobs(self.ref_model)
+        logp, _ = self._log_probs(self.ref_model, input_ids, attention_mask, ctx, with_entropy=False,
+                                  budget=max_tokens_per_micro_batch)
         return {"ref_log_prob": logp}
 
     # ------------------------------------------------------------------ update
@@ -264,16 +322,36 @@ class ActorWorker(TrainerMixin):
                      loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                      loss_mode: str,
                      entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
-                     tis_cap: float, decoupled_cap: float, ctx: Any) -> dict[str, Any]:
+                     tis_cap: float, decoupled_cap: float, max_tokens_per_micro_batch: int = 0,
+                     ctx: Any) -> dict[str, Any]:
         if self.rollout_engine is not None:
             self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
-        packed = repack(input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id)
-        R = packed.response_width
+        staleness = self._staleness(policy_version, policy_version_end, ctx)
         # padding rows have response_mask 0, and rows dropped this step (e.g. a failed reward) arrive
         # tagged as padding: no loss, no gradient, not in the token counts
-        mask = packed.response_mask * response_mask[:, :R].to(packed.response_mask.dtype) * kept_rows(ctx, packed.response_mask.dtype)
+        rows = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
+                "advantages": advantages, "kept": kept_rows(ctx)[:, 0],
+                "response_len": torch.as_tensor(list(ctx.lengths["response_len"]), dtype=torch.long)}
+        for name, col in (("old_log_probs", old_log_probs), ("ref_log_prob", ref_log_prob if use_kl_loss else None),
+                          ("rollout_log_probs", rollout_log_probs if tis_cap > 0 or decoupled_cap > 0 else None)):
+            if col is not None:
+                rows[name] = col
+        if max_tokens_per_micro_batch and ctx.dp > 1:  # every rank about the same tokens: none waits at the all-reduces
+            rows, balance = balance_across_ranks(rows, attention_mask.sum(dim=1) * rows["kept"], ctx.rank, ctx.dp)
+            staleness.update(balance)
+        input_ids, attention_mask, response_mask, advantages = (rows["input_ids"], rows["attention_mask"],
+                                                                rows["response_mask"], rows["advantages"])
+        old_log_probs, ref_log_prob, rollout_log_probs = (rows.get("old_log_probs"), rows.get("ref_log_prob"),
+                                                          rows.get("rollout_log_probs"))
+        packed = repack(input_ids, attention_mask, rows["response_len"].tolist(), self.tokenizer.pad_token_id)
+        R = packed.response_width
+        mdt = packed.response_mask.dtype
+        mask = packed.response_mask * response_mask[:, :R].to(mdt) * rows["kept"][:, None].to(mdt)
+        # tokens each row costs a forward (packed: rows with nothing to learn from are left out)
+        cost = packed.attention_mask.sum(dim=1) * ((mask.sum(dim=1) > 0) if self.packing else 1)
         batch = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
-                 "position_ids": packed.position_ids, "response_mask": mask, "advantages": advantages[:, :R]}
+                 "position_ids": packed.position_ids, "response_mask": mask, "real_mask": packed.response_mask,
+                 "advantages": advantages[:, :R], "seq_tokens": cost}
         if old_log_probs is not None:
             batch["old_log_probs"] = old_log_probs[:, :R]
         elif ctx.batching is None or ctx.batching.updates_per_step != 1:  # the compiler never plans this
@@ -282,7 +360,6 @@ class ActorWorker(TrainerMixin):
                           f"step; its own forward gives them only for one. Add stages.old_logprob() to the pipeline")
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
-        staleness = self._staleness(policy_version, policy_version_end, ctx)
         if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
         if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
@@ -291,13 +368,12 @@ class ActorWorker(TrainerMixin):
             batch["is_weights"] = w
             batch["response_mask"] = mask = mask * keep.to(mask.dtype)
             staleness["behaviour_dropped_frac"] = float(1 - mask.sum() / kept_before) if kept_before > 0 else 0.0
-        P, temperature = packed.prompt_width, self.temperature
+        P, device = packed.prompt_width, None
 
         def loss_fn(model, mb, global_tokens, global_seqs):
-            out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                        position_ids=mb["position_ids"], use_cache=False)
-            logits = out.logits[:, P - 1:P - 1 + R, :].float() / temperature
-            logp = logprobs_from_logits(logits, mb["input_ids"][:, P:])
+            micro = Packed(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["real_mask"], P, R)
+            logp, ent_mat = self._scored(model, micro, bool(entropy_coeff), loss_mask=mb["response_mask"],
+                                         device=device)
             # one optimizer step per training step: the weights are still the old policy's, so this forward
             # is the old log-probs (rlgraph.graph.reuse left the separate pass out)
             old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
@@ -321,7 +397,6 @@ class ActorWorker(TrainerMixin):
                 key = "behaviour_weight_mean" if decoupled_cap > 0 else "tis_weight_mean"
                 metrics[key] = float(masked_mean(mb["is_weights"], m))
             if entropy_coeff:
-                ent_mat = entropy_from_logits(logits)
                 loss = loss - entropy_coeff * agg_loss(ent_mat, m, loss_agg_mode, global_tokens, global_seqs)
                 metrics["entropy"] = float(agg_loss(ent_mat.detach(), m, loss_agg_mode))
             if use_kl_loss:
@@ -333,8 +408,10 @@ class ActorWorker(TrainerMixin):
             return loss, metrics
 
         metrics = self.train(self.model, batch, loss_fn, ctx, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
-                             lr_warmup_steps=lr_warmup_steps, backend=backend, zero_stage=zero_stage)
-        metrics = {**metrics, **staleness}
+                             lr_warmup_steps=lr_warmup_steps, backend=backend, zero_stage=zero_stage,
+                             max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        metrics = {**metrics, **staleness, "forward_tokens": float(cost.sum()),
+                   "padded_tokens": float(packed.input_ids.numel())}
         self.model.eval()
         self.policy_version += 1  # the engine (if any) is given these weights before it generates again
         return {"actor_metrics": metrics, "policy_weights": self._weights(ctx.step)}
@@ -370,11 +447,12 @@ class ActorWorker(TrainerMixin):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "trainer": self.trainer_state(),
+        # LoRA: the adapters only (the frozen base is the model directory's)
+        return {"model": model_state(self.model), "trainer": self.trainer_state(),
                 "policy_version": self.policy_version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"])
         self.load_trainer_state(state.get("trainer"))
         self.policy_version = int(state["policy_version"])
         self.engine_holds = None  # the engine may hold weights of a run since abandoned: give it these

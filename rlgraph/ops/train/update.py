@@ -33,8 +33,11 @@ class TrainerMixin:
 
     engine: Any = None
 
-    def init_trainer(self, ctx: Any) -> None:
+    def init_trainer(self, ctx: Any, settings: Any = None) -> None:
+        """`settings`: the update's section (ActorSettings/CriticSettings), for the engine's setup keys."""
         self.rank, self.dp = ctx.rank, ctx.dp
+        self.engine_options = ({"mixed_precision": settings.mixed_precision, "cpu_offload": settings.cpu_offload}
+                               if settings is not None else {})
         self.seed = TrainerSettings.of(ctx).seed
         self.engine = None
         self._pending_state: Mapping[str, Any] | None = None
@@ -45,14 +48,17 @@ class TrainerMixin:
 
     def train(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_fn: Callable, ctx: Any, *,
               lr: float, weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str,
-              zero_stage: int) -> dict[str, Any]:
+              zero_stage: int, max_tokens_per_micro_batch: int = 0) -> dict[str, Any]:
         """One update call: mini-batches x epochs over this rank's rows (sizes from ``ctx.batching``);
-        returns metrics averaged over the optimizer steps. The engine params apply on the first call."""
+        returns metrics averaged over the optimizer steps. The engine params apply on the first call.
+        With `max_tokens_per_micro_batch`, micro-batches are formed by that token budget over the
+        batch's ``seq_tokens`` column (each row's forward tokens) instead of ``micro_batch_size`` rows."""
         from rlgraph.ops.train.engine import EngineConfig, create_engine
 
         if self.engine is None:
             cfg = EngineConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, lr_warmup_steps=lr_warmup_steps,
-                               backend=backend, zero_stage=zero_stage, seed=self.seed)
+                               backend=backend, zero_stage=zero_stage, seed=self.seed,
+                               **(self.engine_options if backend == "fsdp2" else {}))
             self.engine = create_engine(model, cfg, rank=self.rank, world_size=self.dp)
             if self._pending_state is not None:
                 self.engine.load_state_dict(self._pending_state)
@@ -63,7 +69,9 @@ class TrainerMixin:
         model.train()
         history = self.engine.train(batch, loss_fn, mini_batch_size=min(per_rank, rows),
                                     micro_batch_size=b.micro_batch_size, epochs=b.epochs,
-                                    seed=self.seed + 1000 * ctx.step)
+                                    seed=self.seed + 1000 * ctx.step,
+                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                    length_key="seq_tokens" if max_tokens_per_micro_batch else "")
         return _summarise(history)
     def trainer_state(self) -> Mapping[str, Any] | None:
         return self.engine.state_dict() if self.engine is not None else self._pending_state

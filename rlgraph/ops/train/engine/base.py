@@ -82,6 +82,9 @@ class TrainEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         raise NotImplementedError
 
+    def after_train(self) -> None:
+        """Called at the end of every `train` on every rank (FSDP2: refresh the serving copy)."""
+
     # ------------------------------------------------------------------ shared
     @property
     def steps(self) -> int:
@@ -95,7 +98,8 @@ class TrainEngine:
 
     def train(self, batch: Mapping[str, Tensor], loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
               epochs: int = 1, seed: int | None = None, token_key: str = "response_mask",
-              shuffle: bool = True) -> list[dict[str, float]]:
+              shuffle: bool = True, max_tokens_per_micro_batch: int = 0,
+              length_key: str = "") -> list[dict[str, float]]:
         """One training step on this rank's share of the batch; returns one metrics dict per optimizer step.
 
         `batch` maps column names to tensors whose first dimension is the sample (this rank's
@@ -106,6 +110,11 @@ class TrainEngine:
         in neither; both are at least 1). Each epoch reshuffles the rows with a generator seeded
         ``seed + dp_rank`` (one generator per call, so epochs differ); with no `seed`, it is
         ``config.seed + steps * world_size``, which never repeats across steps or ranks.
+
+        With `max_tokens_per_micro_batch`, a mini-batch's micro-batches are instead the fewest parts
+        whose tokens (the row lengths in column `length_key`, a ``[rows]`` tensor) fit the budget,
+        balanced by length, as many on every rank (`rlgraph.ops.train.engine.balance`); the losses are
+        normalised by global counts, so the result does not depend on how rows are grouped.
 
         Metrics per optimizer step: `loss` (the mini-batch's global loss, equal on every rank),
         `grad_norm` (global, before clipping), `lr`, and the mean over this rank's micro-batches
@@ -124,6 +133,10 @@ class TrainEngine:
         generator = torch.Generator().manual_seed(seed + self.rank)
         valid = batch[token_key].reshape(rows, -1) != 0
         tokens_per_row = valid.sum(dim=1)
+        if max_tokens_per_micro_batch > 0 and length_key not in batch:
+            raise EngineError(f"max_tokens_per_micro_batch needs the rows' token counts: length_key {length_key!r} "
+                              f"is not in the batch (columns: {sorted(batch)})")
+        lengths = batch[length_key].reshape(rows).tolist() if max_tokens_per_micro_batch > 0 else None
         seq_per_row = valid.any(dim=1).long()
 
         self.module.train()
@@ -137,8 +150,8 @@ class TrainEngine:
                                   for mb in mini_batches]).to(torch.int64)
             counts = all_reduce_sum(counts, self.world_size).clamp_(min=1).tolist()
             assert len(mini_batches) == num_mini
-            for mb_rows, (global_tokens, global_seqs) in zip(mini_batches, counts):
-                micro_batches = mb_rows.split(micro_batch_size)
+            splits = self._micro_batches(mini_batches, micro_batch_size, max_tokens_per_micro_batch, lengths)
+            for mb_rows, micro_batches, (global_tokens, global_seqs) in zip(mini_batches, splits, counts):
                 loss_sum = torch.zeros((), dtype=torch.float64)
                 metric_sums: dict[str, float] = defaultdict(float)
                 for i, micro_rows in enumerate(micro_batches):
@@ -152,7 +165,7 @@ class TrainEngine:
                 lr = self.lr
                 grad_norm = self._optimizer_step()
                 local_losses.append(loss_sum)
-                out.append({"loss": 0.0, "grad_norm": float(grad_norm), "lr": lr,
+                out.append({"loss": 0.0, "grad_norm": float(grad_norm), "lr": lr, "micro_batches": len(micro_batches),
                             **{k: v / len(micro_batches) for k, v in metric_sums.items()}})
         global_losses = all_reduce_sum(torch.stack(local_losses), self.world_size).tolist()
         for record, loss in zip(out, global_losses):
@@ -160,7 +173,27 @@ class TrainEngine:
         with warnings.catch_warnings():  # a call whose steps were all skipped (non-finite) still counts
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()
+        self.after_train()
         return out
+
+    def _micro_batches(self, mini_batches: tuple[Tensor, ...], micro_batch_size: int, budget: int,
+                       lengths: list[int] | None) -> list[list[Tensor]]:
+        """Each mini-batch's micro-batches (row indices): `micro_batch_size` rows each, or by token budget
+        with the same count on every rank (one all-reduce per round, usually one round)."""
+        if not budget or lengths is None:
+            return [list(mb.split(micro_batch_size)) for mb in mini_batches]
+        from rlgraph.ops.train.engine.balance import token_micro_batches
+
+        want = [1] * len(mini_batches)
+        while True:  # counts never fall below `want`, so when the maximum equals it every rank has it
+            parts = [token_micro_batches([lengths[i] for i in mb.tolist()], budget, min_count=w)
+                     for mb, w in zip(mini_batches, want)]
+            counts = [len(p) for p in parts]
+            agreed = counts if self.world_size == 1 else \
+                _all_reduce_max(torch.tensor(counts, dtype=torch.int64), self.world_size).tolist()
+            if agreed == counts and (self.world_size == 1 or agreed == want):
+                return [[mb[torch.tensor(q, dtype=torch.long)] for q in p] for mb, p in zip(mini_batches, parts)]
+            want = agreed
 
     def _agree_on_mini_batches(self, rows: int, mini_batch_size: int) -> int:
         """Check on every rank at once (no rank raises alone and leaves the others waiting) that
@@ -179,6 +212,13 @@ class TrainEngine:
             raise EngineError(f"ranks got different numbers of mini-batches ({detail}); every rank must take the "
                               f"same number of optimizer steps: split the padded batch evenly over the ranks")
         return counts[self.rank]
+
+
+def _all_reduce_max(t: Tensor, world_size: int) -> Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
 
 
 def _rows(batch: Mapping[str, Tensor]) -> int:
@@ -237,3 +277,32 @@ def check_state(state: Mapping[str, Any], expect: Mapping[str, Any]) -> None:
 
 def iter_params_with_grad(module: torch.nn.Module) -> Iterator[Tensor]:
     return (p for p in module.parameters() if p.grad is not None)
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[Tensor]:
+    """The parameters the optimizer steps (frozen ones, e.g. the base weights under LoRA, left out)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise EngineError("the model has no trainable parameters (every requires_grad is False)")
+    return params
+
+
+def model_state(module: torch.nn.Module) -> dict[str, Tensor]:
+    """What a checkpoint keeps of the model: all of it, or only the trainable parameters when some are
+    frozen (LoRA: the adapters; the frozen base is the model directory's)."""
+    if all(p.requires_grad for p in module.parameters()):
+        return module.state_dict()
+    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def load_model_state(module: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
+    """`model_state`'s inverse: a partial state must cover every trainable parameter."""
+    if all(p.requires_grad for p in module.parameters()):
+        module.load_state_dict(state)
+        return
+    missing = sorted(n for n, p in module.named_parameters() if p.requires_grad and n not in state)
+    unexpected = sorted(set(state) - {n for n, _ in module.named_parameters()})
+    if missing or unexpected:
+        raise EngineError(f"the saved weights do not fit this model's trainable parameters (missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}): restore with the same LoRA settings it was saved with")
+    module.load_state_dict(state, strict=False)

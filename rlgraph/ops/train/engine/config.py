@@ -42,12 +42,18 @@ class EngineConfig:
     """Training steps of the run; needed (> lr_warmup_steps) by the cosine schedule only."""
     min_lr_ratio: float = 0.0
     """Floor of the cosine schedule as a fraction of lr."""
-    backend: Literal["torch", "deepspeed"] = "torch"
-    """'torch': AdamW, DDP over the process group when dp > 1. 'deepspeed': ZeRO via deepspeed.initialize."""
+    backend: Literal["torch", "deepspeed", "fsdp2"] = "torch"
+    """'torch': AdamW, DDP over the process group when dp > 1. 'deepspeed': ZeRO via deepspeed.initialize.
+    'fsdp2': torch's fully_shard (parameters, gradients and optimizer state sharded over the ranks)."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (deepspeed backend only)."""
     seed: int = 0
     """Default shuffle seed of `train` when the caller passes none (see `TrainEngine.train`)."""
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """fsdp2: compute in bfloat16 with float32 masters and float32 gradient reduction ('bf16'), in float32
+    ('fp32'), or bf16 on a CUDA device that supports it and fp32 elsewhere ('auto')."""
+    cpu_offload: bool = False
+    """fsdp2: keep parameter shards, gradients and optimizer state in CPU memory between uses."""
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config entries, merged over the generated ones (nested dicts merge key by key)."""
 
@@ -70,8 +76,15 @@ class EngineConfig:
                             f"{self.total_steps} and lr_warmup_steps={self.lr_warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.backend not in ("torch", "deepspeed"):
-            problems.append(f"backend must be 'torch' or 'deepspeed', got {self.backend!r}")
+        if self.backend not in ("torch", "deepspeed", "fsdp2"):
+            problems.append(f"backend must be 'torch', 'deepspeed' or 'fsdp2', got {self.backend!r}")
+        if self.mixed_precision not in ("auto", "fp32", "bf16"):
+            problems.append(f"mixed_precision must be 'auto', 'fp32' or 'bf16', got {self.mixed_precision!r}")
+        elif self.mixed_precision == "bf16" and self.backend != "fsdp2":
+            problems.append("mixed_precision='bf16' needs backend='fsdp2' (DeepSpeed takes bf16 from deepspeed_config)")
+        if self.cpu_offload and self.backend != "fsdp2":
+            problems.append("cpu_offload needs backend='fsdp2' (under DeepSpeed use ZeRO's offload_param in "
+                            "deepspeed_config)")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         elif self.zero_stage and self.backend != "deepspeed":

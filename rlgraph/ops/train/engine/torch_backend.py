@@ -11,7 +11,8 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rlgraph.ops.train.engine.base import (STATE_FORMAT, TrainEngine, check_state, iter_params_with_grad,
-                                     load_plain_optimizer_state, plain_optimizer_state)
+                                           load_model_state, load_plain_optimizer_state, model_state,
+                                           plain_optimizer_state, trainable_parameters)
 from rlgraph.ops.train.engine.config import EngineConfig
 
 __all__ = ["TorchEngine"]
@@ -29,7 +30,7 @@ class TorchEngine(TrainEngine):
         # DDP broadcasts rank 0's weights at construction, so ranks start equal whatever their init
         self._wrapped: Any = model if world_size == 1 else DistributedDataParallel(
             model, device_ids=[self._device] if self._device.type == "cuda" else None)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+        self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.schedule())
         self.optimizer_steps = 0
@@ -69,13 +70,13 @@ class TorchEngine(TrainEngine):
         return self.module.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "backend": "torch", "model": self.module.state_dict(),
+        return {"format": STATE_FORMAT, "backend": "torch", "model": model_state(self.module),
                 "optimizer": plain_optimizer_state(self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_state(state, {"backend": "torch"})
-        self.module.load_state_dict(state["model"])
+        load_model_state(self.module, state["model"])
         load_plain_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(dict(state["scheduler"]))
         self.optimizer_steps = int(state["optimizer_steps"])

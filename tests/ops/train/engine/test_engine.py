@@ -37,7 +37,7 @@ def make_batch(rows: int, seed: int = 0, lengths: list[int] | None = None) -> di
         lengths = torch.randint(1, T + 1, (rows,), generator=g).tolist()
     mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long()
     return {"input_ids": torch.randint(0, VOCAB, (rows, T), generator=g), "response_mask": mask,
-            "row_id": torch.arange(rows)}
+            "row_id": torch.arange(rows), "length": mask.sum(dim=1)}
 
 
 def nll(model: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -121,7 +121,11 @@ def _worker(rank: int, world_size: int, port: int, spec: str, out: str) -> None:
 
         result: dict[str, Any] = {"name": sc["name"], "metrics": []}
         try:
-            for _ in range(sc.get("calls", 1)):
+            for call in range(sc.get("calls", 1)):
+                if call and sc.get("resume"):  # a fresh engine from another init, restored from the state
+                    state = engine.state_dict()
+                    engine = create_engine(tiny_model(seed=rank + 7), EngineConfig(**sc["config"]), rank, world_size)
+                    engine.load_state_dict(state)
                 result["metrics"].append(engine.train(batch, recording, **sc["train"]))
         except EngineError as e:
             result["error"] = str(e)
@@ -167,7 +171,8 @@ def test_dp1_steps_lr_warmup_and_weights_change():
         assert engine.steps == call + 1  # the scheduler moved once per train call ...
         assert len({m["lr"] for m in metrics}) == 1  # ... so every step of a call has the same lr
         lrs.append(metrics[0]["lr"])
-        assert set(metrics[0]) == {"loss", "grad_norm", "lr", "tokens"}
+        assert set(metrics[0]) == {"loss", "grad_norm", "lr", "tokens", "micro_batches"}
+        assert {m["micro_batches"] for m in metrics} == {2}  # 4 rows per mini-batch in micro-batches of 2
     # warm-up over 4 training steps, starting at lr/4 (not 0), then constant
     assert lrs == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2])
     state = engine.optimizer.state_dict()["state"]
@@ -413,3 +418,63 @@ def test_dp2_uneven_mini_batch_counts_raise_on_every_rank(dp2_torch):
         assert "ranks got different numbers of mini-batches (rank 0: 2 (8 rows / 4), rank 1: 1 (4 rows / 4))" \
             in r["error"]
         assert r["optimizer_steps"] == 0
+
+
+# ---------------------------------------------------------------------------- dp = 2, FSDP2 and token budgets
+def fsdp2_scenarios() -> list[dict]:
+    torch_cfg, fsdp_cfg = dict(CFG), {**CFG, "backend": "fsdp2"}
+    base = {"batch": {"rows": 16, "seed": 4, "lengths": LENGTHS}, "rows": HALVES, "calls": 2, "loss": "token_mean"}
+    budget = {"mini_batch_size": 8, "micro_batch_size": 8, "epochs": 2, "seed": 11,
+              "max_tokens_per_micro_batch": 9, "length_key": "length"}
+    return [
+        {**base, "config": torch_cfg, "name": "ddp", "train": {"mini_batch_size": 4, "micro_batch_size": 2,
+                                                               "epochs": 1, "shuffle": False}},
+        {**base, "config": fsdp_cfg, "name": "fsdp2", "train": {"mini_batch_size": 4, "micro_batch_size": 2,
+                                                                 "epochs": 1, "shuffle": False}},
+        {**base, "config": fsdp_cfg, "name": "fsdp2_resumed", "resume": True,
+         "train": {"mini_batch_size": 4, "micro_batch_size": 2, "epochs": 1, "shuffle": False}},
+        {**base, "config": torch_cfg, "name": "ddp_rows", "train": {**budget, "max_tokens_per_micro_batch": 0}},
+        {**base, "config": torch_cfg, "name": "ddp_budget", "train": budget},
+        {**base, "config": fsdp_cfg, "name": "fsdp2_budget", "train": budget},
+    ]
+
+
+@pytest.fixture(scope="module")
+def dp2_fsdp2(tmp_path_factory):
+    scs = fsdp2_scenarios()
+    return scs, {pair[0]["name"]: pair for pair in zip(*run_ranks(2, scs, tmp_path_factory.mktemp("fsdp2")))}
+
+
+def test_fsdp2_dp2_updates_as_ddp_does(dp2_fsdp2):
+    scs, results = _by_name(dp2_fsdp2)
+    ddp, fsdp = results["ddp"], results["fsdp2"]
+    for r in fsdp:
+        assert_close(r["weights"], ddp[0]["weights"], atol=1e-6)  # gathered full weights, equal on both ranks
+        for key in ("loss", "grad_norm"):
+            assert [m[key] for c in r["metrics"] for m in c] == pytest.approx(
+                [m[key] for c in ddp[0]["metrics"] for m in c], rel=1e-5)
+    assert fsdp[0]["optimizer_steps"] == 4
+    # and both equal one rank on the whole batch
+    weights, _ = dp1_reference(CFG, scs["ddp"], INTERLEAVED)
+    assert_close(fsdp[0]["weights"], weights, atol=1e-6)
+
+
+def test_fsdp2_sharded_state_resumes_exactly(dp2_fsdp2):
+    _, results = _by_name(dp2_fsdp2)
+    for cont, resumed in zip(results["fsdp2"], results["fsdp2_resumed"]):
+        assert_close(resumed["weights"], cont["weights"], atol=0)
+        assert [m["loss"] for m in resumed["metrics"][1]] == [m["loss"] for m in cont["metrics"][1]]
+
+
+def test_token_budget_micro_batches_change_nothing_but_the_grouping(dp2_fsdp2):
+    _, results = _by_name(dp2_fsdp2)
+    rows = results["ddp_rows"][0]
+    for name in ("ddp_budget", "fsdp2_budget"):
+        for r in results[name]:
+            assert_close(r["weights"], rows["weights"], atol=1e-6)
+            # 8 rows per rank of at most 6 tokens in 9-token parts: more micro-batches than the 1 of 8 rows,
+            # as many on both ranks though rank 1's rows are shorter
+            counts = [m["micro_batches"] for c in r["metrics"] for m in c]
+            assert counts == [m["micro_batches"] for c in results[name][0]["metrics"] for m in c]
+            assert min(counts) > 1
+            assert r["seen"] != rows["seen"]  # regrouped by length

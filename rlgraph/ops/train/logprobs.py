@@ -1,0 +1,225 @@
+"""Response log-probs and entropy without the full ``[tokens, vocab]`` logits, padded or packed.
+
+A causal LM's forward returns float logits for every position: a 4,096-token response with a
+152k vocabulary is 2.5 GB per sequence in float32, and autograd keeps them (and their softmax)
+for the backward pass. Here the logits are never materialised at once:
+
+- `enable_token_logprobs(model)` gives the model *instance* a forward that, when called with
+  ``logprob_index``, runs the decoder only (``model.get_decoder()``), keeps the hidden states of
+  the positions that predict response tokens, and computes ``log p(label)`` (and the entropy) a
+  chunk of `chunk` positions at a time from the output embedding. Called without it, the forward
+  is the model's own (generation is unchanged). Going through the instance's forward keeps
+  DDP's and FSDP2's hooks (gradient reduction, parameter all-gathers) in the call.
+- Under autograd every chunk is checkpointed (`torch.utils.checkpoint`): backward recomputes the
+  chunk's logits instead of storing them, so the peak is one chunk's ``[chunk, vocab]`` float32
+  block, independent of the response length (BRIEF: entropy and log-probs over blocks of rows).
+
+Two layouts of a micro-batch (`Layout`): *padded*, the verl layout of `sequences.repack`
+(prompts left-padded to P, responses right-padded to R), and *packed*: the rows' real tokens
+concatenated into one row with position ids restarting at 0 for each sequence and no attention
+mask, so transformers' masking keeps attention within each sequence (its packed-sequence
+detection from position ids) and no padding token is computed. Both return ``[b, R]`` tensors (packed:
+zero past each response; padded: whatever the padding slots give, for the caller's mask), so the
+losses are the same code either way.
+
+A model whose logits are not ``output_embeddings(hidden)`` (no ``get_decoder``, or a logit scale
+or soft-cap this module does not know) takes the plain path: the full logits, then the same
+selection. ``fused_supported`` says which.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from rlgraph.ops.train.sequences import Packed
+
+__all__ = ["Layout", "padded_layout", "packed_layout", "enable_token_logprobs", "fused_supported",
+           "response_logprobs", "DEFAULT_CHUNK"]
+
+DEFAULT_CHUNK = 1024  # positions per logits block: 1024 x 152k vocabulary x 4 bytes = 0.6 GB
+
+
+class Layout(NamedTuple):
+    """What one forward pass takes, and where its response tokens are."""
+
+    input_ids: Tensor  # [B, T]
+    attention_mask: Tensor | None  # [B, T]; None when packed (sequences told apart by position_ids)
+    position_ids: Tensor  # [B, T]
+    index: Tensor  # [N] flat positions (b * T + t) whose hidden state predicts a response token
+    labels: Tensor  # [N] that token
+    rows: Tensor  # [N] its row in the [b, R] result
+    cols: Tensor  # [N] its column (the token's place in its response)
+    shape: tuple[int, int]  # (b, R) of the result
+    tokens: int  # positions the forward computes (B * T): what the layout costs
+
+
+def padded_layout(packed: Packed) -> Layout:
+    """Every response slot of the verl layout, real or padding (the result's mask zeroes padding)."""
+    b, R, P = packed.input_ids.shape[0], packed.response_width, packed.prompt_width
+    width = packed.input_ids.shape[1]
+    rows = torch.arange(b).repeat_interleave(R)
+    cols = torch.arange(R).repeat(b)
+    index = rows * width + (P - 1) + cols
+    labels = packed.input_ids[:, P:P + R].reshape(-1)
+    return Layout(packed.input_ids, packed.attention_mask, packed.position_ids, index, labels, rows, cols, (b, R),
+                  b * width)
+
+
+def packed_layout(packed: Packed) -> Layout:
+    """The rows' real tokens (prompt then response) end to end in one row, positions restarting per row."""
+    b, R, P = packed.input_ids.shape[0], packed.response_width, packed.prompt_width
+    real = packed.attention_mask.bool()
+    ids = packed.input_ids[real].unsqueeze(0)  # row-major: row 0's tokens, then row 1's, ...
+    lengths = real.sum(dim=1)
+    r = packed.response_mask.sum(dim=1)
+    p = lengths - r
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
+    rows = torch.arange(b).repeat_interleave(r)
+    cols = torch.arange(int(r.sum())) - (torch.cumsum(r, 0) - r).repeat_interleave(r)
+    index = (starts + p - 1).repeat_interleave(r) + cols  # the position before each response token
+    src_rows, src_cols = rows, P + cols  # where that token sits in the padded layout
+    labels = packed.input_ids[src_rows, src_cols]
+    if bool((p[r > 0] < 1).any()):
+        raise ValueError("a response without a prompt token cannot be scored: its first token has no position "
+                         "before it")
+    return Layout(ids, None, positions.unsqueeze(0), index, labels, rows, cols, (b, R), int(lengths.sum()))
+
+
+# ---------------------------------------------------------------------------- the model's forward
+def fused_supported(model: torch.nn.Module) -> bool:
+    """Whether `model`'s logits are its output embedding of the decoder's last hidden state, which
+    the chunked path computes itself (else `response_logprobs` takes the full logits)."""
+    decoder = getattr(model, "get_decoder", None)
+    head = getattr(model, "get_output_embeddings", None)
+    if decoder is None or head is None:
+        return False
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return False
+    try:
+        return decoder() is not None and isinstance(head(), torch.nn.Linear)
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+def enable_token_logprobs(model: torch.nn.Module) -> bool:
+    """Give `model` (a transformers causal LM) the log-prob forward; idempotent. Returns whether
+    the chunked path is used (`fused_supported`)."""
+    if getattr(model, "_rlgraph_logprobs", False):
+        return bool(model._rlgraph_fused)
+    fused = fused_supported(model)
+    original = type(model).forward
+
+    def forward(self, *args: Any, logprob_index: Tensor | None = None, logprob_labels: Tensor | None = None,
+                logprob_temperature: float = 1.0, logprob_chunk: int = DEFAULT_CHUNK, logprob_entropy: bool = False,
+                **kwargs: Any) -> Any:
+        if logprob_index is None:
+            return original(self, *args, **kwargs)
+        input_ids, attention_mask, position_ids = kwargs["input_ids"], kwargs.get("attention_mask"), \
+            kwargs["position_ids"]
+        if self._rlgraph_fused:
+            out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     use_cache=False)
+            hidden = out.last_hidden_state
+            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logprob_index)
+            head = self.get_output_embeddings()
+            return _chunked(selected, head.weight, head.bias, logprob_labels, logprob_temperature, logprob_chunk,
+                            logprob_entropy)
+        logits = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).logits
+        selected = logits.reshape(-1, logits.shape[-1]).index_select(0, logprob_index)
+        return _from_logits(selected, logprob_labels, logprob_temperature, logprob_entropy)
+
+    model.forward = types.MethodType(forward, model)
+    model._rlgraph_fused = fused
+    model._rlgraph_logprobs = True  # a copy (deepcopy) keeps the forward, bound to the copy
+    return fused
+
+
+def response_logprobs(model: Any, layout: Layout, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
+                      with_entropy: bool = False, device: torch.device | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropy) of the layout's response tokens at `temperature`, ``[b, R]`` each
+    (mask them with the response mask: a packed layout leaves 0 past each response, a padded one
+    the padding slots' values). `model` is the model or its DDP/FSDP wrapper; the model must
+    have had `enable_token_logprobs`. `device`: where the inputs go (default: the parameters')."""
+    device = device or _device_of(model)
+    logp, ent = model(input_ids=layout.input_ids.to(device),
+                      attention_mask=None if layout.attention_mask is None else layout.attention_mask.to(device),
+                      position_ids=layout.position_ids.to(device), logprob_index=layout.index.to(device),
+                      logprob_labels=layout.labels.to(device), logprob_temperature=temperature or 1.0,
+                      logprob_chunk=chunk if chunk > 0 else max(int(layout.index.numel()), 1),
+                      logprob_entropy=with_entropy)
+    return _scatter(logp, layout), (_scatter(ent, layout) if with_entropy else None)
+
+
+def _device_of(model: Any) -> torch.device:
+    try:
+        p = next(model.parameters())
+    except StopIteration:
+        return torch.device("cpu")
+    return p.device
+
+
+def _scatter(values: Tensor, layout: Layout) -> Tensor:
+    out = values.new_zeros(layout.shape)
+    return out.index_put((layout.rows.to(values.device), layout.cols.to(values.device)), values)
+
+
+def _token_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[Tensor, Tensor]:
+    logits = F.linear(hidden, weight, bias).float()
+    if not torch.is_grad_enabled():  # in place: two [chunk, vocab] blocks at most, not four
+        return _stats_in_place(logits.div_(temperature), labels, with_entropy)
+    return _stats(logits / temperature, labels, with_entropy)
+
+
+def _stats(logits: Tensor, labels: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if with_entropy:
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    else:
+        ent = logp.new_zeros(())
+    return logp, ent
+
+
+def _stats_in_place(logits: Tensor, labels: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """`_stats` without autograd, overwriting `logits`: with z shifted by its row max and S = sum exp z,
+    log p(label) = z_label - log S and the entropy is log S - sum(exp z * z) / S."""
+    z = logits.sub_(logits.max(dim=-1, keepdim=True).values)
+    e = z.exp()
+    total = e.sum(dim=-1)
+    log_total = total.log()
+    logp = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_total
+    ent = log_total - e.mul_(z).sum(dim=-1) / total if with_entropy else logp.new_zeros(())
+    return logp, ent
+
+
+def _chunked(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, chunk: int,
+             with_entropy: bool) -> tuple[Tensor, Tensor]:
+    logps, ents = [], []
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for h, lab in zip(hidden.split(chunk), labels.split(chunk)):
+        if grad:  # keep the chunk's input, recompute its logits in backward
+            lp, en = checkpoint(_token_stats, h, weight, bias, lab, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, en = _token_stats(h, weight, bias, lab, temperature, with_entropy)
+        logps.append(lp)
+        ents.append(en)
+    logp = torch.cat(logps) if logps else hidden.new_zeros((0,), dtype=torch.float32)
+    ent = torch.cat(ents) if with_entropy and ents else logp.new_zeros(logp.shape)
+    return logp, ent
+
+
+def _from_logits(logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    scaled = logits.float() / temperature
+    logp, ent = (_stats(scaled, labels, with_entropy) if torch.is_grad_enabled()
+                 else _stats_in_place(scaled, labels, with_entropy))
+    return logp, (ent if with_entropy else logp.new_zeros(logp.shape))

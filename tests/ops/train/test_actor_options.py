@@ -1,0 +1,176 @@
+"""The policy worker with the engine options on: packed and token-budget updates equal the padded
+ones, LoRA trains only adapters with the base as the reference, and log-prob passes split by tokens.
+
+The worker is called directly (one rank, no Ray), as the runtime calls it; tests/ops/train/
+test_options_e2e.py runs the same options through Ray and TransferQueue."""
+
+import pytest
+import torch
+
+from rlgraph.graph.plan import OpBatching
+from rlgraph.ops.models import build_tiny_model, load_causal_lm
+from rlgraph.ops.train.actor import ActorWorker
+from rlgraph.runtime.invoke import OpContext
+
+pytest.importorskip("peft")
+
+# skewed: responses 1..24 tokens, prompts 3..9
+PROMPTS = [3, 9, 4, 5, 7, 3, 8, 6]
+RESPONSES = [24, 1, 2, 17, 3, 1, 9, 2]
+B = len(PROMPTS)
+UPDATE = dict(lr=1e-2, weight_decay=0.0, grad_clip=1.0, lr_warmup_steps=0, backend="torch", zero_stage=0,
+              loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+              loss_mode="vanilla", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
+              tis_cap=0.0, decoupled_cap=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=3))
+
+
+def ctx_for(model_dir, op="update_actor", micro=2, impls=("rlgraph.ops.train.actor:ActorWorker.update_actor",),
+            **actor):
+    config = {"actor": {"model_path": model_dir, **actor}, "rollout": {"temperature": 1.0}, "trainer": {"seed": 0}}
+    batching = OpBatching(dp=1, samples_per_rank=B, rank_mini_batch=[B, B], micro_batch_size=micro, epochs=1,
+                          updates_per_step=1)
+    return OpContext(op=op, group="actor", rank=0, dp=1, step=0, chunk=0, seed=1, rows=tuple(range(B)),
+                     is_padding=(False,) * (B - 1) + (True,), config=config, batching=batching,
+                     lengths={"response_len": tuple(RESPONSES)}, group_impls=impls)
+
+
+def worker(model_dir, **actor):
+    w = ActorWorker()
+    w.setup(ctx_for(model_dir, **actor))
+    return w
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(p + r for p, r in zip(PROMPTS, RESPONSES)) + 3
+    R = max(RESPONSES) + 2
+    ids = torch.zeros(B, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        ids[i, :p + r] = torch.randint(4, 30, (p + r,), generator=g)
+        mask[i, :p + r] = 1
+        response_mask[i, :r] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(1) - 1,
+            "responses": ids[:, :R], "response_mask": response_mask,
+            "advantages": torch.randn(B, R, generator=g) * response_mask}
+
+
+def update(w, cols, model_dir, micro=2, budget=0, **actor):
+    ref = w.compute_ref_log_prob(**{k: cols[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
+                                                         "response_mask")}, ctx=ctx_for(model_dir, "ref", **actor))
+    out = w.update_actor(**cols, ref_log_prob=ref["ref_log_prob"], ctx=ctx_for(model_dir, micro=micro, **actor),
+                         max_tokens_per_micro_batch=budget, **UPDATE)
+    return out["actor_metrics"], ref["ref_log_prob"]
+
+
+def recorded_gradients(monkeypatch):
+    """Every AdamW step's gradients, in parameter order (AdamW's sign-like first step would turn float noise
+    in a near-zero gradient into a visible weight difference: compare what it was given)."""
+    steps = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *a, **kw):
+        steps.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"] if p.grad is not None])
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return steps
+
+
+def test_packed_token_budget_update_equals_the_padded_one(model_dir, monkeypatch):
+    cols = batch()
+    plain, packed = worker(model_dir), worker(model_dir, packing=True, logprob_chunk_size=5)
+    grads = recorded_gradients(monkeypatch)
+    m_plain, ref_plain = update(plain, cols, model_dir, micro=2)
+    m_packed, ref_packed = update(packed, cols, model_dir, budget=12, packing=True, logprob_chunk_size=5)
+    torch.testing.assert_close(ref_packed, ref_plain, atol=1e-5, rtol=1e-5)
+    # the global loss and gradient (pg_loss, kl_loss, entropy are means of micro-batch means: grouping moves them)
+    for key in ("loss", "grad_norm"):
+        assert m_packed[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-6), key
+    (g_plain,), (g_packed,) = grads[:1], grads[1:]
+    assert len(g_plain) == len(g_packed) > 10
+    for a, b in zip(g_packed, g_plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # no padding computed: the packed forward costs the real tokens of the rows with a loss (the padding row
+    # is left out); the padded one the whole [rows, P + R] block
+    real = sum(p + r for p, r in zip(PROMPTS[:-1], RESPONSES[:-1]))
+    assert m_packed["forward_tokens"] == real and m_plain["padded_tokens"] == B * (9 + 24)
+    assert m_packed["micro_batches"] >= 96 // 12 > m_plain["micro_batches"] == 4  # 96 real tokens in parts of 12
+
+
+def test_log_prob_passes_split_by_tokens_give_the_same_numbers(model_dir):
+    cols = {k: v for k, v in batch().items() if k != "advantages"}
+    w = worker(model_dir, packing=True)
+    one = w.compute_log_prob(**cols, compare_rollout=False, ctx=ctx_for(model_dir, "old_logprob"))
+    split = w.compute_log_prob(**cols, compare_rollout=False, max_tokens_per_micro_batch=20,
+                               ctx=ctx_for(model_dir, "old_logprob"))
+    torch.testing.assert_close(split["old_log_probs"], one["old_log_probs"], atol=1e-6, rtol=1e-5)
+    real = torch.zeros_like(one["old_log_probs"])
+    for i, r in enumerate(RESPONSES):
+        real[i, :r] = 1
+    assert bool((one["old_log_probs"][real == 0] == 0).all()) and bool((one["old_log_probs"][real == 1] < 0).all())
+
+
+def test_lora_trains_adapters_only_and_the_reference_is_the_base(model_dir):
+    cols = batch()
+    w = worker(model_dir, lora_rank=4, lora_alpha=8.0, lora_target_modules="q_proj,v_proj")
+    base = load_causal_lm(model_dir)
+    trainable = {n for n, p in w.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    for _ in range(2):
+        metrics, ref = update(w, cols, model_dir, lora_rank=4, lora_alpha=8.0, lora_target_modules="q_proj,v_proj")
+    changed = {n for n, p in w.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable  # the base never moves
+    # the reference is the base model: the plain worker's reference log-probs
+    plain = worker(model_dir)
+    _, ref_plain = update(plain, batch(), model_dir)
+    torch.testing.assert_close(ref, ref_plain, atol=1e-5, rtol=1e-5)
+    # the policy moved away from it (KL > 0 after two updates), and what others get is the merged policy
+    assert metrics["kl_loss"] > 0
+    merged = w._weights(step=1)["state"]
+    assert set(merged) == set(base.state_dict())
+    base.load_state_dict(merged)
+    x = cols["input_ids"][:2, :8]
+    torch.testing.assert_close(base(x).logits, w.model(input_ids=x).logits, atol=1e-5, rtol=1e-4)
+    # checkpoints hold the adapters only, and restore them into a fresh worker
+    state = w.state_dict()
+    assert set(state["model"]) == trainable
+    fresh = worker(model_dir, lora_rank=4, lora_alpha=8.0, lora_target_modules="q_proj,v_proj")
+    fresh.load_state_dict(state)
+    for n, p in fresh.model.named_parameters():
+        assert torch.equal(p, dict(w.model.named_parameters())[n]), n
+
+
+def test_lora_names_a_module_the_model_lacks(model_dir):
+    from rlgraph.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"names \['qkv'\].*linear layers are \['down_proj'"):
+        worker(model_dir, lora_rank=4, lora_target_modules="qkv")
+
+
+def test_a_generation_only_group_gets_no_adapters(model_dir):
+    w = ActorWorker()
+    w.setup(ctx_for(model_dir, impls=("rlgraph.ops.train.actor:ActorWorker.generate",), lora_rank=4))
+    assert all(p.requires_grad for p in w.model.parameters()) and not any(".lora_" in n for n, _ in
+                                                                          w.model.named_parameters())
+
+
+def test_the_adapter_export_loads_in_peft_as_the_trained_policy(model_dir, tmp_path):
+    from peft import PeftModel
+
+    from rlgraph.ops.train.lora import save_adapter
+
+    w = worker(model_dir, lora_rank=4, lora_alpha=8.0)
+    update(w, batch(), model_dir, lora_rank=4, lora_alpha=8.0)
+    save_adapter(w.model, tmp_path / "adapter", model_dir)
+    loaded = PeftModel.from_pretrained(load_causal_lm(model_dir), str(tmp_path / "adapter")).eval()
+    x = batch()["input_ids"][:2, :8]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, w.model(input_ids=x).logits, atol=1e-5, rtol=1e-4)
