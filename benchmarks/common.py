@@ -243,10 +243,11 @@ def write_findings(doc: Path = DOC) -> None:
 
 
 # ---------------------------------------------------------------------------- memory of one process
-QWEN25_05B = dict(  # Qwen2.5-0.5B's architecture (its config.json), for random-initialised models of a real shape
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-    tie_word_embeddings=True)
+def qwen25_05b() -> dict[str, Any]:
+    """Qwen2.5-0.5B's architecture (rlgraph.ops.models.REAL_SHAPES), for random-initialised models."""
+    from rlgraph.ops.models import REAL_SHAPES
+
+    return dict(REAL_SHAPES["qwen2.5-0.5b"])
 
 
 def reset_peak_rss() -> int:

@@ -1,7 +1,7 @@
 """Item 14: peak memory of the log-prob op against the response length, chunked vs full logits.
 
 A random-initialised model of Qwen2.5-0.5B's shape (24 layers, hidden 896, a 151,936-token
-vocabulary; `common.QWEN25_05B`, no download) scores one sequence of a 64-token prompt and R
+vocabulary; `common.qwen25_05b()`, no download) scores one sequence of a 64-token prompt and R
 response tokens, R = 256 .. 8,192, with entropy, as `old_logprob` does:
 
 - full logits: the path rlgraph had (and most trainers have): the model's ``[1, P + R, vocab]``
@@ -39,7 +39,7 @@ def child(path: str, length: int, layers: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    config = Qwen2Config(**{**common.QWEN25_05B, "num_hidden_layers": layers})
+    config = Qwen2Config(**{**common.qwen25_05b(), "num_hidden_layers": layers})
     model = Qwen2ForCausalLM(config).eval()
     g = torch.Generator().manual_seed(1)
     packed = pack([torch.randint(0, config.vocab_size, (PROMPT,), generator=g)],
@@ -62,7 +62,7 @@ def child(path: str, length: int, layers: int) -> dict[str, Any]:
 
 def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.Section:
     lengths = [64, 256] if quick else LENGTHS
-    layers = 2 if quick else common.QWEN25_05B["num_hidden_layers"]
+    layers = 2 if quick else common.qwen25_05b()["num_hidden_layers"]
     t = common.Table(["response tokens", "full logits peak MiB", "chunked peak MiB", "full / chunked",
                       "full s", "chunked s"])
     per = {}
@@ -79,7 +79,7 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
               flush=True)
     a, b = lengths[-2], lengths[-1]
     slope = {k: (per[b][i] - per[a][i]) / (b - a) for i, k in enumerate(("full", "chunked"))}
-    vocab = common.QWEN25_05B["vocab_size"]
+    vocab = common.qwen25_05b()["vocab_size"]
     intro = (f"Peak memory of one `old_logprob` call (log-probs and entropy, no gradient) on a random-initialised "
              f"model of Qwen2.5-0.5B's shape ({layers} layers, vocabulary {vocab:,}), one sequence of a {PROMPT}-token "
              f"prompt and R response tokens. *full logits*: the model's float32 `[1, P + R, vocab]` logits "

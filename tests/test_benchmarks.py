@@ -250,3 +250,41 @@ def test_trl_peer_quick(tmp_path):
     got = {dict(zip(head, b))["trainer"]: dict(zip(head, b)) for b in body if len(b) == len(head)}
     assert set(got) == {"rlgraph", "rlgraph async k=1", "TRL"}
     assert num(got["TRL"]["vs TRL"]) == 1.0 and all(num(r["s/step (median)"]) > 0 for r in got.values())
+
+
+@pytest.mark.bench
+def test_logprob_memory_and_packing_quick(tmp_path):
+    """The chunked log-prob path uses less memory than the full logits, and packing computes fewer tokens
+    with the same loss: both measured in fresh processes and tabled."""
+    from benchmarks import logprob_memory, packing
+
+    doc = tmp_path / "perf.md"
+    common.write_section(logprob_memory.run(quick=True), doc)
+    common.write_section(packing.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "logprob_memory")
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    assert [b[0] for b in body] == ["64", "256"]
+    assert all(num(dict(zip(head, b))["chunked peak MiB"]) > 0 for b in body)
+    last = dict(zip(head, body[-1]))
+    assert num(last["full logits peak MiB"]) > num(last["chunked peak MiB"])
+    rows = table_rows(doc.read_text(), "packing")
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    got = {b[0]: dict(zip(head, b)) for b in body}
+    assert num(got["packed"]["tokens computed"]) == num(got["packed"]["real tokens"]) < num(
+        got["padded"]["tokens computed"])
+    assert got["packed"]["loss"] == got["padded"]["loss"]
+
+
+@pytest.mark.bench
+def test_real_shape_quick(tmp_path):
+    """The 0.5B-shape example (cut to 2 layers, same width and vocabulary) runs with the engine options
+    off and on; every part of the step breakdown and every worker's peak memory is tabled."""
+    from benchmarks import real_shape
+
+    doc = tmp_path / "perf.md"
+    common.write_section(real_shape.run(quick=True), doc)
+    rows = table_rows(doc.read_text(), "real_shape")
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    assert len(body) == 3 and all(num(dict(zip(head, b))["step s"]) > 0 for b in body)
+    sharded = dict(zip(head, body[2]))
+    assert "actor_0" in sharded["peak MiB per worker"] and "actor_1" in sharded["peak MiB per worker"]

@@ -43,6 +43,7 @@ op-config                   an op's own validation of its params (e.g. GAE needs
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections import Counter
 from typing import Any
 
@@ -290,7 +291,9 @@ def find_problems(g: BuiltGraph) -> list[Problem]:
             continue
         params = {k: g.config.get(f"{o.namespace}.{k}") for k in o.params}
         connected = frozenset(g.connected(o))
-        for prob in o.validate(params, connected):
+        # validate(params, connected) sees its own op; validate(params, connected, config) the whole config
+        takes_config = len(inspect.signature(o.validate).parameters) >= 3
+        for prob in (o.validate(params, connected, g.config) if takes_config else o.validate(params, connected)):
             add(prob if prob.op else Problem(prob.code, f"op {o.name!r}: {prob.message}", prob.fix, op=o.name,
                                              column=prob.column))
 

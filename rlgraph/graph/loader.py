@@ -109,6 +109,12 @@ def _as_pipeline(obj: Any, what: str) -> Pipeline:
 def load_pipeline(ref: str) -> tuple[Pipeline, str]:
     """The `Pipeline` named by `ref`, and a canonical ref to record in the plan."""
     path = Path(ref)
+    file_part, colon, attr = ref.rpartition(":")
+    if colon and file_part.endswith(".py") and Path(file_part).is_file() and attr.isidentifier():
+        module = import_file(Path(file_part))  # a file and one of its pipelines: examples/distill.py:grpo
+        if not hasattr(module, attr):
+            raise PipelineLoadError(f"{file_part} has no attribute {attr!r}")
+        return _as_pipeline(getattr(module, attr), f"`{attr}` in {file_part}"), f"{Path(file_part).resolve()}:{attr}"
     if ref.endswith(".py") or path.is_file():
         if not path.is_file():
             raise PipelineLoadError(f"pipeline file {ref!r} does not exist")

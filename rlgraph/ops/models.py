@@ -23,7 +23,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, NamedTuple, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -41,6 +42,10 @@ __all__ = [
     "build_tiny_model",
     "load_tokenizer",
     "load_causal_lm",
+    "REAL_SHAPES",
+    "build_shaped_model",
+    "worker_device",
+    "forward_dtype",
     "optimizer_step",
     "load_critic",
     "encode_prompt",
@@ -161,6 +166,43 @@ def build_tiny_model(
     return out
 
 
+# real models' architectures (their config.json), for random-initialised models of a real shape: the
+# memory and time of a real model without downloading one
+REAL_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "qwen2.5-0.5b": MappingProxyType(dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+})
+
+
+def build_shaped_model(out_dir: str | Path, shape: str = "qwen2.5-0.5b", seed: int = 0,
+                       num_layers: int | None = None) -> Path:
+    """Save a randomly initialised Qwen2 causal LM of a real model's architecture (`REAL_SHAPES`: its
+    hidden size, layers, heads and whole vocabulary), weights in bfloat16, with the character
+    tokenizer of the tiny models (ids past the tokenizer's decode to nothing). `num_layers` cuts the
+    depth (a quicker model of the same width and vocabulary). Returns the directory."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if shape not in REAL_SHAPES:
+        raise ValueError(f"shape={shape!r} is not one of {sorted(REAL_SHAPES)}")
+    tokenizer = char_tokenizer()
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    dims = dict(REAL_SHAPES[shape])
+    if num_layers:
+        dims["num_hidden_layers"] = num_layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(Qwen2Config(**dims, **ids))
+    model.generation_config = GenerationConfig(**ids)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def _check_dir(path: str | Path, what: str, needs: tuple[str, ...]) -> Path:
     p = Path(path).expanduser()  # config paths such as ~/.cache/rlgraph/models/... are common
     if not p.exists():
@@ -230,6 +272,20 @@ def _check_missing(path: Path, what: str, missing: Any) -> None:
 class _DropLoadReport(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "LOAD REPORT" not in record.getMessage()
+
+
+def worker_device() -> torch.device:
+    """Where a worker's models run: the CUDA device this process was given (Ray makes a worker's GPUs
+    its only visible ones, so device 0 of them), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def forward_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of a model that is only run forward (a frozen reference): bfloat16 on a GPU that has
+    it (half the memory, the precision verl and TRL use there), float32 elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
 
 
 def critic_config(config: Any) -> Any:

@@ -27,6 +27,7 @@ ESTIMATOR_NEEDS: Mapping[str, tuple[str, bool]] = MappingProxyType({
     "rloo": ("group", False),
     "reinforce_plus_plus": ("batch", False),
     "reinforce_plus_plus_baseline": ("batch", False),
+    "distill": ("group", False),  # on-policy distillation: per-token reverse KL to a teacher (+ GRPO's, weighted)
 })
 ESTIMATORS = tuple(ESTIMATOR_NEEDS)
 

@@ -31,6 +31,7 @@ __all__ = [
     "ForwardSettings",
     "OldLogprobSettings",
     "RefSettings",
+    "TeacherSettings",
     "ValuesSettings",
     "AlgorithmSettings",
     "UpdateSettings",
@@ -278,6 +279,24 @@ class RefSettings(ForwardSettings):
     """reference model directory (default: actor.model_path)"""
 
 
+class TeacherSettings(ForwardSettings):
+    """`teacher_logprob`'s settings (``teacher.*``): the teacher of on-policy distillation."""
+
+    namespace: ClassVar[str] = "teacher"
+
+    model_path: str = Field("", json_schema_extra=SETUP)
+    """the teacher: a local Hugging Face causal LM with the student's tokenizer (another tokenizer is a compile
+    error)"""
+    backend: Literal["hf", "vllm"] = Field("hf", json_schema_extra=SETUP)
+    """hf: a transformers forward on the op's worker group (chunked log-probs, actor.packing's layout); vllm: a
+    vLLM engine per rank scoring prompt + response as a prompt (its prompt log-probs)"""
+    temperature: float = Field(1.0, ge=0.01)
+    """the temperature of the teacher's log-probs (the student's are at rollout.temperature; keep both at 1 for the
+    reverse KL of the two models' own distributions); the vllm backend takes 1 only"""
+    gpu_memory_utilization: float = Field(0.3, ge=0.0, json_schema_extra=SETUP)
+    """vllm on a GPU: share of its memory the teacher's engine may take"""
+
+
 class ValuesSettings(ForwardSettings):
     """`values`'s settings (``values.*``)."""
 
@@ -316,6 +335,9 @@ class AlgorithmSettings(Section):
     """adaptive controller's KL target"""
     kl_horizon: int = Field(10000, ge=1)
     """adaptive controller's horizon"""
+    distill_task_weight: float = Field(0.0, ge=0.0)
+    """estimator=distill: add this weight times the task reward's GRPO advantage (group-normalised score) to the
+    per-token reverse-KL advantage; 0: distillation alone"""
 
 
 class UpdateSettings(Section):
@@ -462,8 +484,8 @@ class ActorSettings(UpdateSettings):
 # every built-in section, the trainer's, the data plane's and the cluster's included
 SECTIONS: tuple[type[Section], ...] = (
     TrainerSettings, DataplaneSettings, ClusterSettings, DataSettings, RolloutSettings, RewardSettings,
-    RewardModelSettings, OverlongSettings, FilterGroupsSettings, OldLogprobSettings, RefSettings, ValuesSettings,
-    AlgorithmSettings, CriticSettings, ActorSettings,
+    RewardModelSettings, OverlongSettings, FilterGroupsSettings, OldLogprobSettings, RefSettings, TeacherSettings,
+    ValuesSettings, AlgorithmSettings, CriticSettings, ActorSettings,
 )
 
 # verl key -> rlgraph key, from the sections' verl tables (`rlgraph.graph.verl` translates a pipeline's

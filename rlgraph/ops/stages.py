@@ -20,9 +20,10 @@ from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
 from rlgraph.graph.settings import params_of
 from rlgraph.ops.names import ESTIMATOR_NEEDS, ESTIMATORS
-from rlgraph.ops.settings import (ActorSettings, AgentSettings, AlgorithmSettings, CriticSettings, DataSettings, FilterGroupsSettings,
-                                  ForwardSettings, OldLogprobSettings, OverlongSettings, RefSettings,
-                                  RewardModelSettings, RewardSettings, RolloutSettings, ValuesSettings)
+from rlgraph.ops.settings import (ActorSettings, AgentSettings, AlgorithmSettings, CriticSettings, DataSettings,
+                                  FilterGroupsSettings, ForwardSettings, OldLogprobSettings, OverlongSettings,
+                                  RefSettings, RewardModelSettings, RewardSettings, RolloutSettings, TeacherSettings,
+                                  ValuesSettings)
 
 __all__ = [
     "COLUMNS",
@@ -39,6 +40,7 @@ __all__ = [
     "overlong_penalty",
     "old_logprob",
     "ref",
+    "teacher_logprob",
     "values",
     "advantage",
     "update_critic",
@@ -77,6 +79,7 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     "old_log_probs": T.float32(R, doc="log-probs of responses under the current policy"),
     "entropy": T.float32(R, doc="per-token entropy of the current policy"),
     "ref_log_prob": T.float32(R, doc="log-probs of responses under the frozen reference"),
+    "teacher_log_probs": T.float32(R, doc="log-probs of the responses' tokens under the distillation teacher"),
     "old_logprob_metrics": T.json().metric(),
     "values": T.float32(R, doc="critic values per response token"),
     # advantage
@@ -403,6 +406,40 @@ def ref(group: str = "actor", **changes: Any) -> OpSpec:
                     None, "Forward pass of the frozen reference model.").with_(**changes)
 
 
+def teacher_logprob(group: str = "teacher", **changes: Any) -> OpSpec:
+    """Log-probs of the student's sampled tokens under a teacher (on-policy distillation): a transformers
+    forward on its own worker group (or the actor's, colocated), or a vLLM engine's prompt log-probs.
+    Streams per finished group, as ``ref`` does. The teacher must share the student's tokenizer."""
+    return _forward(TeacherSettings, ("teacher_log_probs",), group,
+                    "rlgraph.ops.train.teacher:TeacherWorker.compute_teacher_log_prob", None,
+                    "Forward pass of the distillation teacher on the student's responses.").with_(
+        validate=_validate_teacher).with_(**changes)
+
+
+def _validate_teacher(params: Mapping[str, Any], connected: frozenset[str],
+                      config: Mapping[str, Any] | None = None) -> list[Problem]:
+    out = []
+    if not params.get("model_path"):
+        out.append(Problem("op-config", "teacher_logprob has no teacher: teacher.model_path is empty",
+                           "set teacher.model_path to a local Hugging Face model directory with the student's "
+                           "tokenizer"))
+    if params.get("backend") == "vllm" and params.get("temperature") != 1.0:
+        out.append(Problem("op-config", f"teacher.backend=vllm scores at temperature 1 only, but "
+                           f"teacher.temperature={params.get('temperature')}",
+                           "set teacher.temperature=1, or teacher.backend=hf"))
+    student = (config or {}).get("actor.model_path") or (config or {}).get("rollout.model_path")
+    if params.get("model_path") and student:
+        from rlgraph.ops.tokenizers import tokenizer_mismatch
+
+        why = tokenizer_mismatch(str(student), str(params["model_path"]))
+        if why:
+            out.append(Problem("op-config", f"the teacher (teacher.model_path) and the student (actor.model_path) "
+                               f"tokenize differently: {why}; the teacher would score other tokens than the student "
+                               f"sampled", "distil from a teacher with the student's tokenizer (same vocabulary and "
+                               "special tokens)"))
+    return out
+
+
 def values(group: str = "critic", **changes: Any) -> OpSpec:
     """Critic values per response token."""
     return _forward(ValuesSettings, ("values",), group, "rlgraph.ops.train.critic:CriticWorker.compute_values",
@@ -425,6 +462,15 @@ def _validate_advantage(granularity: str):
                     "op-config", f"algorithm.estimator={est!r} needs critic values, but no op produces 'values'",
                     "add stages.values() and stages.update_critic() (a critic), or use a critic-free "
                     "estimator such as algorithm.estimator=grpo", column="values"))
+        if est == "distill":
+            for col, stage in (("teacher_log_probs", "stages.teacher_logprob()"), ("old_log_probs",
+                                                                                    "stages.old_logprob()")):
+                if col not in connected:
+                    out.append(Problem("op-config", f"algorithm.estimator='distill' needs column {col!r}, which no "
+                                       f"op produces", f"add {stage} to the pipeline", column=col))
+        elif params.get("distill_task_weight"):
+            out.append(Problem("op-config", f"algorithm.distill_task_weight is set, but algorithm.estimator={est!r}",
+                               "declare stages.advantage('distill'), or leave algorithm.distill_task_weight at 0"))
         if params.get("use_kl_in_reward"):
             for col in ("old_log_probs", "ref_log_prob"):
                 if col not in connected:
@@ -439,6 +485,8 @@ def _validate_advantage(granularity: str):
 
 def _advantage_uses(params: Mapping[str, Any]) -> set[str]:
     used = {"values"} if ESTIMATOR_NEEDS.get(params.get("estimator"), ("", False))[1] else set()
+    if params.get("estimator") == "distill":
+        used |= {"old_log_probs", "teacher_log_probs"}
     if params.get("use_kl_in_reward"):
         used |= {"old_log_probs", "ref_log_prob"}
     return used
@@ -455,12 +503,12 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
     return OpSpec(
         name="advantage",
         inputs={**_cols("token_level_scores", "response_mask"), **SYSTEM_COLUMNS,
-                **_cols("values", "old_log_probs", "ref_log_prob")},
+                **_cols("values", "old_log_probs", "ref_log_prob", "teacher_log_probs")},
         outputs=_cols("advantages", "returns", "token_level_rewards", "advantage_metrics"),
         granularity=granularity,  # type: ignore[arg-type]
         group=group,
         config_key=AlgorithmSettings.namespace,
-        optional_inputs={"values", "old_log_probs", "ref_log_prob"},
+        optional_inputs={"values", "old_log_probs", "ref_log_prob", "teacher_log_probs"},
         params=params_of(AlgorithmSettings, estimator=estimator),
         impl="rlgraph.ops.algos.advantage_op:AdvantageWorker.compute_advantage",
         validate=_validate_advantage(granularity),

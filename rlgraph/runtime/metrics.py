@@ -79,8 +79,10 @@ def _step_metrics(step: int, *, summaries: Mapping[str, list[float]], names: Map
     last: dict[str, float] = {}
     calls: dict[str, int] = defaultdict(int)
     load: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])  # (op, rank) -> [calls, rows]
+    io: dict[str, float] = defaultdict(float)
     for s in spans:
         busy[s.op] += s.duration
+        io[s.op] += s.io_s
         calls[s.op] += 1
         load[(s.op, s.rank)][0] += 1
         load[(s.op, s.rank)][1] += s.rows
@@ -89,6 +91,7 @@ def _step_metrics(step: int, *, summaries: Mapping[str, list[float]], names: Map
     for op in sorted(busy):
         m[f"timing/{op}/busy_s"] = busy[op]
         m[f"timing/{op}/span_s"] = last[op] - first[op]
+        m[f"timing/{op}/io_s"] = io[op]
         m[f"timing/{op}/calls"] = calls[op]
     for (op, rank), (n_calls, n_rows) in sorted(load.items()):
         m[f"load/{op}/rank_{rank}/calls"] = n_calls

@@ -36,6 +36,7 @@ class Span:
     cross_node_bytes: int = 0  # ... on another node (known for TransferQueue)
     # timed events inside the call (`OpContext.event`): (start, end, lane, label); an agent's turns
     events: tuple[tuple[float, float, int, str], ...] = ()
+    io_s: float = 0.0  # of the call's time, reading its inputs from and writing its outputs to the data plane
 
     @property
     def duration(self) -> float:

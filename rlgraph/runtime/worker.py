@@ -169,6 +169,7 @@ class GroupWorker:
         events: list[tuple[float, float, int, str]] = []
         with self._failures(op_name, step, chunks[0][0], rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunks[0][0])
+        io_s = time.time() - start
         at = 0
         for index, n in chunks:
             sub = rows[at:at + n]
@@ -179,10 +180,12 @@ class GroupWorker:
             events += self.invoker.last_events
             at += n
         out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
+        put_at = time.time()
         self._put(partition, rows, out)
+        end = time.time()
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
-                      start=start, end=time.time(), events=tuple(events), **_moved_since(moved)),
+                      start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, **_moved_since(moved)),
             metrics=[{c: v for c, v in o.items() if self.plan.columns[c].kind == "metric"} for o in outs],
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
@@ -200,6 +203,7 @@ class GroupWorker:
         moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk)
+            io_s = time.time() - start
             parts = self.invoker.stream(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         handed: list[tuple[float, int]] = []
         while True:
@@ -209,15 +213,17 @@ class GroupWorker:
                 break
             positions, out = part
             part_rows = tuple(rows[p] for p in positions)
+            put_at = time.time()
             self._put(partition, part_rows, out)
             handed.append((time.time(), len(part_rows)))
+            io_s += handed[-1][0] - put_at
             yield PartResult(part_rows, self._summaries(out, rows, positions, is_padding, {}))
         dropped = dict(self.invoker.last_dropped)
         rest = self.invoker.last_rest
         yield CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
                       start=start, end=time.time(), parts=tuple(handed), events=tuple(self.invoker.last_events),
-                      **_moved_since(moved)),
+                      io_s=io_s, **_moved_since(moved)),
             metrics=[{c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"}],
             batch_values={c: v for c, v in rest.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},

@@ -54,7 +54,7 @@ TABLE = [
     Mistake("drop_names_nothing", DeclarationError,
             "pipeline 'drop_names_nothing'.with_ops(): drop= names op 'refs', which the pipeline does not have (did you mean 'ref'?); its ops are generate, reward, old_logprob, ref, advantage, update_actor"),
     Mistake("estimator_typo", DeclarationError,
-            "unknown advantage estimator 'gpro'; use one of gae, grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline (did you mean 'grpo'?)"),
+            "unknown advantage estimator 'gpro'; use one of gae, grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, distill (did you mean 'grpo'?)"),
     Mistake("factory_uncalled", DeclarationError,
             "pipeline 'factory_uncalled': ops[0]: stages.generate is a stage factory, not an op: call it, e.g. stages.generate(group='actor')"),
     Mistake("granularity_typo", DeclarationError,

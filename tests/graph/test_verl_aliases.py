@@ -91,3 +91,46 @@ def test_an_alias_is_translated_by_the_keys_the_pipeline_has(grpo):
     twice = grpo.with_ops(stages.ref().with_(name="ref2"))
     with pytest.raises(PipelineError, match="stands for 'ref.micro_batch_size' and 'ref2.micro_batch_size'"):
         rlgraph.compile(twice, ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"])
+
+
+def test_verls_engine_keys_set_the_training_engine(ppo):
+    """strategy=fsdp2, use_dynamic_bsz with its token budgets, the LoRA keys, remove-padding and
+    gradient checkpointing compile to the same plan as rlgraph's keys."""
+    verl = ["actor_rollout_ref.actor.strategy=fsdp", "critic.strategy=fsdp2",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+            "critic.use_dynamic_bsz=true",  # no budget given: verl's default 16384
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4096",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=999",  # ignored, as verl ignores it
+            "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.model.target_modules=q_proj,v_proj", "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "actor_rollout_ref.actor.fsdp_config.offload_policy=true"]
+    ours = ["actor.backend=fsdp2", "critic.backend=fsdp2", "actor.max_tokens_per_micro_batch=8192",
+            "critic.max_tokens_per_micro_batch=16384", "ref.max_tokens_per_micro_batch=4096", "actor.lora_rank=8",
+            "actor.lora_alpha=16", "actor.lora_target_modules=q_proj,v_proj", "actor.packing=true",
+            "actor.gradient_checkpointing=true", "actor.cpu_offload=true"]
+    via_verl, notices = _compile(ppo, verl)
+    direct, _ = _compile(ppo, ours)
+    # the same resolved config and ops (the overrides are recorded in another order)
+    assert via_verl.config == direct.config and via_verl.ops == direct.ops
+    assert any("use_dynamic_bsz=true: micro-batches by the token budget critic.ppo_max_token_len_per_gpu=16384" in n
+               for n in notices)
+    assert any("log_prob_max_token_len_per_gpu without" in n and "ignored" in n for n in notices)
+    # rlgraph's own other spellings of the same keys
+    same, notices = _compile(ppo, ["actor.strategy=fsdp2", "actor.lora.rank=8", "actor.lora.alpha=16",
+                                   "actor.lora.target_modules=q_proj,v_proj"])
+    assert same.config["actor"]["backend"] == "fsdp2" and same.config["actor"]["lora_rank"] == 8
+    assert "actor.lora.rank is another name for actor.lora_rank; using actor.lora_rank=8" in notices
+
+
+def test_megatron_is_refused_naming_the_backends_there_are(ppo):
+    with pytest.raises(PipelineError, match=r"strategy=megatron: rlgraph has no Megatron backend(.|\n)*fsdp2"):
+        rlgraph.compile(ppo, ["actor_rollout_ref.actor.strategy=megatron"])
+
+
+def test_engine_keys_of_another_backend_are_refused(ppo):
+    with pytest.raises(PipelineError, match=r"actor.cpu_offload=true is an FSDP2 option, but actor.backend=torch"):
+        rlgraph.compile(ppo, ["actor.cpu_offload=true"])
+    with pytest.raises(PipelineError, match=r"critic.zero_stage=2 is a DeepSpeed option, but critic.backend=fsdp2"):
+        rlgraph.compile(ppo, ["critic.backend=fsdp2", "critic.zero_stage=2"])

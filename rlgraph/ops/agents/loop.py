@@ -137,8 +137,10 @@ class HFSampler:
             ids[j, width - len(h):] = torch.tensor(list(h), dtype=torch.long)
             mask[j, width - len(h):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        logits, past = out.logits[:, -1, :], out.past_key_values
+        dev = next(self.model.parameters()).device  # the worker's GPU when it has one; sampling stays on CPU
+        out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                         use_cache=True)
+        logits, past = out.logits[:, -1, :].cpu(), out.past_key_values
         vocab = logits.shape[-1]
         sample = self.temperature > 0
         if sample:  # each row's noise for the whole turn, from its own seed
@@ -168,9 +170,9 @@ class HFSampler:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
             pos = pos + 1
-            out = self.model(input_ids=tok.masked_fill(done, pad)[:, None], attention_mask=mask, position_ids=pos,
-                             past_key_values=past, use_cache=True)
-            logits, past = out.logits[:, -1, :], out.past_key_values
+            out = self.model(input_ids=tok.masked_fill(done, pad)[:, None].to(dev), attention_mask=mask.to(dev),
+                             position_ids=pos.to(dev), past_key_values=past, use_cache=True)
+            logits, past = out.logits[:, -1, :].cpu(), out.past_key_values
         eos = {self.eos}
         results = []
         for j in range(B):

@@ -33,10 +33,11 @@ class AdvantageWorker:
 
     def compute_advantage(self, token_level_scores: torch.Tensor, response_mask: torch.Tensor,
                           uid: torch.Tensor, is_padding: torch.Tensor, values: torch.Tensor | None = None,
-                          old_log_probs: torch.Tensor | None = None, ref_log_prob: torch.Tensor | None = None, *,
+                          old_log_probs: torch.Tensor | None = None, ref_log_prob: torch.Tensor | None = None,
+                          teacher_log_probs: torch.Tensor | None = None, *,
                           estimator: str, gamma: float, lam: float, norm_adv_by_std: bool, use_kl_in_reward: bool,
                           kl_penalty: str, kl_coef: float, kl_ctrl: str, kl_target: float, kl_horizon: int,
-                          ctx: Any) -> dict[str, Any]:
+                          distill_task_weight: float = 0.0, ctx: Any) -> dict[str, Any]:
         R = token_level_scores.shape[1]
         mask = response_mask[:, :R].float() * (~is_padding.bool()).unsqueeze(1).float()
         metrics: dict[str, float] = {}
@@ -52,9 +53,15 @@ class AdvantageWorker:
             self.step_kl.append((float(current_kl), int((~is_padding.bool()).sum())))
             metrics.update({"kl": float(current_kl), "kl_coef": float(ctrl.value)})
         self.last_step = ctx.step
+        distill = {}
+        if estimator == "distill":
+            distill = dict(student_log_probs=old_log_probs[:, :R], teacher_log_probs=teacher_log_probs[:, :R],
+                           distill_task_weight=distill_task_weight)
+            reverse_kl = (old_log_probs[:, :R].float() - teacher_log_probs[:, :R].float()) * mask
+            metrics["reverse_kl/mean"] = float(masked_mean(reverse_kl, mask))  # per token, on the student's samples
         res = compute_advantage(estimator, rewards, mask, uid.long(),
                                 values=values[:, :R] if values is not None else None,
-                                gamma=gamma, lam=lam, norm_adv_by_std=norm_adv_by_std)
+                                gamma=gamma, lam=lam, norm_adv_by_std=norm_adv_by_std, **distill)
         metrics["advantages/mean"] = float(masked_mean(res.advantages, mask))
         metrics["returns/mean"] = float(masked_mean(res.returns, mask))
         return {"advantages": res.advantages * mask, "returns": res.returns * mask,

@@ -27,6 +27,7 @@ __all__ = [
     "compute_advantage",
     "gae_advantages",
     "grpo_advantages",
+    "distill_advantages",
     "rloo_advantages",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
@@ -208,6 +209,31 @@ def reinforce_pp_baseline_advantages(
     return AdvantageResult(advantages=advantages, returns=advantages)
 
 
+def distill_advantages(student_log_probs: Tensor, teacher_log_probs: Tensor, response_mask: Tensor,
+                       token_level_rewards: Tensor | None = None, uid: Tensor | None = None, task_weight: float = 0.0,
+                       norm_adv_by_std: bool = True) -> AdvantageResult:
+    """On-policy distillation: the student samples, the teacher scores each sampled token, and the
+    token's advantage is minus the per-token reverse KL (the single-sample estimate on the student's
+    own token, with no discounting between tokens):
+
+        A_t = -(log p_student(x_t) - log p_teacher(x_t)) = log p_teacher(x_t) - log p_student(x_t)
+
+    (Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD) with the reverse KL;
+    Thinking Machines Lab 2025, "On-Policy Distillation", which trains on exactly this advantage with
+    the importance-sampled policy-gradient loss). `student_log_probs` are the sampling policy's
+    (old_log_probs). With `task_weight` > 0, GRPO's group-normalised task advantage (from
+    `token_level_rewards` and `uid`) is added, times the weight. Returns equal the advantages."""
+    mask = response_mask.to(student_log_probs.dtype)
+    adv = (teacher_log_probs.float() - student_log_probs.float()) * mask
+    if task_weight:
+        if token_level_rewards is None or uid is None:
+            raise ValueError("distill_advantages with task_weight > 0 needs token_level_rewards and uid")
+        adv = adv + task_weight * grpo_advantages(token_level_rewards, response_mask, uid,
+                                                  norm_adv_by_std=norm_adv_by_std).advantages
+    adv = adv * mask
+    return AdvantageResult(adv, adv)
+
+
 def compute_advantage(
     estimator: str,
     token_level_rewards: Tensor,
@@ -217,6 +243,9 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
+    student_log_probs: Tensor | None = None,
+    teacher_log_probs: Tensor | None = None,
+    distill_task_weight: float = 0.0,
 ) -> AdvantageResult:
     """Dispatch on the estimator name (`algorithm.adv_estimator` in the config).
 
@@ -239,4 +268,10 @@ def compute_advantage(
             return reinforce_pp_advantages(token_level_rewards, response_mask, gamma=gamma)
         if estimator == "reinforce_plus_plus_baseline":
             return reinforce_pp_baseline_advantages(token_level_rewards, response_mask, uid)
+        if estimator == "distill":
+            if student_log_probs is None or teacher_log_probs is None:
+                raise ValueError("compute_advantage: estimator 'distill' needs student_log_probs (old_log_probs) "
+                                 "and teacher_log_probs (stages.teacher_logprob)")
+            return distill_advantages(student_log_probs, teacher_log_probs, response_mask, token_level_rewards, uid,
+                                      distill_task_weight, norm_adv_by_std)
     raise ConfigError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")

@@ -149,18 +149,19 @@ def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_pad
             mask[j, width - len(prompts[i]):] = 1
         torch.manual_seed(stable_seed(seed, k))  # the same rows draw the same samples in any schedule
         sample = temperature > 0
+        device = next(model.parameters()).device  # the worker's GPU when it has one
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens, do_sample=sample,
             temperature=temperature if sample else None, top_p=top_p if sample else None,
             top_k=(top_k or None) if sample else None, pad_token_id=pad, eos_token_id=sorted(stop),
             return_dict_in_generate=True, output_scores=logprobs)
-        new = out.sequences[:, width:]
+        new = out.sequences[:, width:].cpu()
         responses, lps = {}, {} if logprobs else None
         for j, i in enumerate(rows):
             length = _cut(new[j].tolist(), stop)
             responses[i] = new[j, :length].clone()
             if lps is not None:
-                scores = torch.stack([s[j] for s in out.scores[:length]]).float()  # [length, vocab], processed
+                scores = torch.stack([s[j] for s in out.scores[:length]]).float().cpu()  # [length, vocab], processed
                 lps[i] = torch.log_softmax(scores, dim=-1).gather(-1, new[j, :length, None]).squeeze(-1)
         yield _part(rows, prompts, responses, is_padding, lps)
 

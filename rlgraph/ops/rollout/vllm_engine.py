@@ -243,6 +243,29 @@ class VLLMEngine:
                 except Exception:
                     pass
 
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each sequence's log-prob of every token given the ones before it, at temperature 1 (the first
+        token, with nothing before it, gets 0): the sequences go in as prompts with vLLM's prompt
+        log-probs on and one token generated (a distillation teacher's scores)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not sequences:
+            return []
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                     use_tqdm=False)
+        except Exception as e:
+            if type(e).__name__ == "EngineDeadError":
+                raise self._dead(e) from None
+            raise
+        result = []
+        for seq, out in zip(sequences, outs):
+            lps = out.prompt_logprobs or []
+            result.append([0.0] + [float(d[t].logprob) for d, t in zip(lps[1:], list(seq)[1:])])
+        return result
+
     def _labels(self, sample: Any) -> tuple[int, int]:
         """The weight labels of a finished sample's first and last token."""
         spans = [s for s in (getattr(sample, "weight_versions", None) or []) if s.end > s.start]

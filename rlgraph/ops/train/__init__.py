@@ -3,6 +3,8 @@
 `actor` holds `ActorWorker` (generation, old and reference log-probs, the PPO update, on one
 model per rank), `critic` `CriticWorker` (values and the value update); `update` the glue
 between their update ops and the engine (`TrainerMixin`, sizes from ``ctx.batching``);
-`sequences` packs ragged rows into the padded batches a forward pass takes; `engine/` is the
-training engine itself (torch DDP or DeepSpeed ZeRO). The loss math is in `rlgraph.ops.algos`.
+`sequences` packs ragged rows into the padded batches a forward pass takes; `logprobs` scores
+responses a chunk of logits at a time, padded or packed; `lora` puts peft adapters on the policy;
+`engine/` is the training engine itself (torch DDP, DeepSpeed ZeRO or FSDP2, micro-batches by rows
+or token budget). The loss math is in `rlgraph.ops.algos`.
 """

@@ -28,12 +28,12 @@ from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import (agg_loss, decoupled_weights, gspo_policy_loss, kl_loss, masked_mean, policy_loss,
                                rollout_probs_diff, truncated_is_weights)
-from rlgraph.ops.models import load_causal_lm, load_tokenizer
+from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
-from rlgraph.ops.train.engine.balance import balance_across_ranks, token_micro_batches
+from rlgraph.ops.train.engine.balance import balance_across_ranks
 from rlgraph.ops.train.engine.base import load_model_state, model_state
-from rlgraph.ops.train.logprobs import Layout, enable_token_logprobs, packed_layout, padded_layout, response_logprobs
+from rlgraph.ops.train.logprobs import enable_token_logprobs, score_rows, scored
 from rlgraph.ops.train.lora import adapters_disabled, apply_lora, has_lora, merged_weights
 from rlgraph.ops.train.sequences import Packed, repack
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
@@ -63,7 +63,8 @@ class ActorWorker(TrainerMixin):
         self.seed = trainer.seed
         torch.manual_seed(self.seed)
         self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
-        self.model = load_causal_lm(self.model_path)
+        self.device = worker_device()  # the GPU this worker was given, else the CPU
+        self.model = load_causal_lm(self.model_path).to(self.device)
         self.packing, self.chunk = actor.packing, actor.logprob_chunk_size
         # LoRA only where the policy trains: a generation-only group loads the merged weights it is sent
         if actor.lora_rank and any(i.endswith("ActorWorker.update_actor") for i in ctx.group_impls):
@@ -105,8 +106,10 @@ class ActorWorker(TrainerMixin):
                 "state": self._policy_state()}
 
     def _policy_state(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the base model's names (LoRA: merged, computed on the side)."""
-        return merged_weights(self.model) if has_lora(self.model) else self.model.state_dict()
+        """The policy's weights under the base model's names (LoRA: merged, computed on the side), in
+        CPU memory (they go through Ray and the data plane)."""
+        state = merged_weights(self.model) if has_lora(self.model) else self.model.state_dict()
+        return state if self.device.type == "cpu" else {k: v.detach().cpu() for k, v in state.items()}
 
     def _engine_ready(self, rank: int) -> dict[str, float]:
         """Start the vLLM engine if needed, wake it, give it the current weights; what it cost."""
@@ -234,49 +237,16 @@ class ActorWorker(TrainerMixin):
         return True
 
     # ------------------------------------------------------------------ forward passes
-    def _layout(self, packed: Packed, loss_mask: torch.Tensor | None = None) -> tuple[Layout, torch.Tensor]:
-        """The forward layout of `packed`'s rows (packed: rows with nothing to score left out, at least one
-        kept so every rank runs a forward), and the rows it holds."""
-        if not self.packing:
-            return padded_layout(packed), torch.arange(packed.input_ids.shape[0])
-        has = (packed.response_mask if loss_mask is None else loss_mask).sum(dim=1) > 0
-        keep = has.nonzero().flatten()
-        if keep.numel() == 0:
-            keep = torch.zeros(1, dtype=torch.long)
-        sub = Packed(*(t[keep] for t in packed[:4]), packed.prompt_width, packed.response_width)
-        return packed_layout(sub), keep
-
     def _scored(self, model: Any, packed: Packed, with_entropy: bool, loss_mask: torch.Tensor | None = None,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of `packed`'s responses, ``[b, R]``."""
-        layout, keep = self._layout(packed, loss_mask)
-        logp, ent = response_logprobs(model, layout, self.temperature, self.chunk, with_entropy, device=device)
-        if keep.numel() == packed.input_ids.shape[0]:
-            return logp, ent
-        b, R = packed.input_ids.shape[0], packed.response_width
-        full = logp.new_zeros((b, R)).index_copy(0, keep.to(logp.device), logp)
-        return full, (None if ent is None else ent.new_zeros((b, R)).index_copy(0, keep.to(ent.device), ent))
+        """Log-probs (and entropy) of `packed`'s responses, ``[b, R]``, on the model's device."""
+        return scored(model, packed, self.temperature, self.chunk, self.packing, with_entropy, loss_mask, device)
 
-    @torch.no_grad()
     def _log_probs(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    ctx: Any, with_entropy: bool, budget: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The call's rows in forward passes of at most `budget` tokens (0: one pass), ``[b, R]`` results."""
-        resp = list(ctx.lengths["response_len"])
-        whole = repack(input_ids, attention_mask, resp, self.tokenizer.pad_token_id)
-        if not budget:
-            logp, ent = self._scored(model, whole, with_entropy)
-            return logp * whole.response_mask, ent
-        b, R = input_ids.shape[0], whole.response_width
-        logp = torch.zeros((b, R))
-        ent = torch.zeros((b, R)) if with_entropy else None
-        for part in token_micro_batches(attention_mask.sum(dim=1).tolist(), budget):
-            rows = torch.tensor(part, dtype=torch.long)
-            sub = repack(input_ids[rows], attention_mask[rows], [resp[i] for i in part], self.tokenizer.pad_token_id)
-            lp, en = self._scored(model, sub, with_entropy)
-            logp[rows, :sub.response_width] = (lp * sub.response_mask).float()
-            if ent is not None and en is not None:
-                ent[rows, :sub.response_width] = en.float()
-        return logp, ent
+        return score_rows(model, input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id,
+                          self.temperature, self.chunk, self.packing, budget, with_entropy)
 
     def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                          responses: torch.Tensor, response_mask: torch.Tensor,
@@ -304,7 +274,7 @@ class ActorWorker(TrainerMixin):
                                           budget=max_tokens_per_micro_batch)
             return {"ref_log_prob": logp}
         if self.ref_model is None:
-            self.ref_model = load_causal_lm(path)
+            self.ref_model = load_causal_lm(path, dtype=forward_dtype(self.device)).to(self.device)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
             enable_token_logprobs(self.ref_model)

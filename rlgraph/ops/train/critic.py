@@ -14,7 +14,7 @@ import torch
 
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import agg_loss, value_loss
-from rlgraph.ops.models import load_critic, load_tokenizer
+from rlgraph.ops.models import load_critic, load_tokenizer, worker_device
 from rlgraph.ops.settings import ActorSettings, CriticSettings
 from rlgraph.ops.train.engine.balance import token_micro_batches
 from rlgraph.ops.train.sequences import repack
@@ -24,7 +24,8 @@ __all__ = ["CriticWorker"]
 
 
 def _values(model: torch.nn.Module, input_ids, attention_mask, position_ids, P: int, R: int) -> torch.Tensor:
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    dev = next(model.parameters()).device
+    out = model(input_ids=input_ids.to(dev), attention_mask=attention_mask.to(dev), position_ids=position_ids.to(dev))
     return out.logits[:, P - 1:P - 1 + R, 0].float()  # [b, R]
 
 
@@ -37,7 +38,7 @@ class CriticWorker(TrainerMixin):
                              "model directory")
         torch.manual_seed(TrainerSettings.of(ctx).seed + 1)
         self.tokenizer = load_tokenizer(path)
-        self.model = load_critic(path)
+        self.model = load_critic(path).to(worker_device())
         if critic.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.eval()
@@ -56,7 +57,7 @@ class CriticWorker(TrainerMixin):
             rows = torch.tensor(part, dtype=torch.long)
             p = repack(input_ids[rows], attention_mask[rows], [resp[i] for i in part], self.tokenizer.pad_token_id)
             v = _values(self.model, p.input_ids, p.attention_mask, p.position_ids, p.prompt_width, p.response_width)
-            out[rows, :p.response_width] = v * p.response_mask
+            out[rows, :p.response_width] = v.float().cpu() * p.response_mask
         return {"values": out}
 
     def update_critic(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

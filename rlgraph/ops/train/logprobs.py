@@ -30,7 +30,7 @@ selection. ``fused_supported`` says which.
 from __future__ import annotations
 
 import types
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rlgraph.ops.train.sequences import Packed
 
-__all__ = ["Layout", "padded_layout", "packed_layout", "enable_token_logprobs", "fused_supported",
-           "response_logprobs", "DEFAULT_CHUNK"]
+__all__ = ["Layout", "padded_layout", "packed_layout", "layout_for", "enable_token_logprobs", "fused_supported",
+           "response_logprobs", "score_rows", "DEFAULT_CHUNK"]
 
 DEFAULT_CHUNK = 1024  # positions per logits block: 1024 x 152k vocabulary x 4 bytes = 0.6 GB
 
@@ -62,9 +62,9 @@ class Layout(NamedTuple):
 def padded_layout(packed: Packed) -> Layout:
     """Every response slot of the verl layout, real or padding (the result's mask zeroes padding)."""
     b, R, P = packed.input_ids.shape[0], packed.response_width, packed.prompt_width
-    width = packed.input_ids.shape[1]
-    rows = torch.arange(b).repeat_interleave(R)
-    cols = torch.arange(R).repeat(b)
+    width, dev = packed.input_ids.shape[1], packed.input_ids.device
+    rows = torch.arange(b, device=dev).repeat_interleave(R)
+    cols = torch.arange(R, device=dev).repeat(b)
     index = rows * width + (P - 1) + cols
     labels = packed.input_ids[:, P:P + R].reshape(-1)
     return Layout(packed.input_ids, packed.attention_mask, packed.position_ids, index, labels, rows, cols, (b, R),
@@ -74,15 +74,16 @@ def padded_layout(packed: Packed) -> Layout:
 def packed_layout(packed: Packed) -> Layout:
     """The rows' real tokens (prompt then response) end to end in one row, positions restarting per row."""
     b, R, P = packed.input_ids.shape[0], packed.response_width, packed.prompt_width
+    dev = packed.input_ids.device
     real = packed.attention_mask.bool()
     ids = packed.input_ids[real].unsqueeze(0)  # row-major: row 0's tokens, then row 1's, ...
     lengths = real.sum(dim=1)
     r = packed.response_mask.sum(dim=1)
     p = lengths - r
     starts = torch.cumsum(lengths, 0) - lengths
-    positions = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
-    rows = torch.arange(b).repeat_interleave(r)
-    cols = torch.arange(int(r.sum())) - (torch.cumsum(r, 0) - r).repeat_interleave(r)
+    positions = torch.arange(int(lengths.sum()), device=dev) - starts.repeat_interleave(lengths)
+    rows = torch.arange(b, device=dev).repeat_interleave(r)
+    cols = torch.arange(int(r.sum()), device=dev) - (torch.cumsum(r, 0) - r).repeat_interleave(r)
     index = (starts + p - 1).repeat_interleave(r) + cols  # the position before each response token
     src_rows, src_cols = rows, P + cols  # where that token sits in the padded layout
     labels = packed.input_ids[src_rows, src_cols]
@@ -90,6 +91,61 @@ def packed_layout(packed: Packed) -> Layout:
         raise ValueError("a response without a prompt token cannot be scored: its first token has no position "
                          "before it")
     return Layout(ids, None, positions.unsqueeze(0), index, labels, rows, cols, (b, R), int(lengths.sum()))
+
+
+def layout_for(packed: Packed, packing: bool, loss_mask: Tensor | None = None) -> tuple[Layout, Tensor]:
+    """`packed`'s rows as one forward pass, and the rows it holds: all of them padded; packed, the rows
+    with something to score (`loss_mask`, else the response mask), at least one so that every rank of
+    a group runs a forward."""
+    dev = packed.input_ids.device
+    if not packing:
+        return padded_layout(packed), torch.arange(packed.input_ids.shape[0], device=dev)
+    has = (packed.response_mask if loss_mask is None else loss_mask).sum(dim=1) > 0
+    keep = has.nonzero().flatten().to(dev)
+    if keep.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long, device=dev)
+    sub = Packed(*(t[keep] for t in packed[:4]), packed.prompt_width, packed.response_width)
+    return packed_layout(sub), keep
+
+
+def scored(model: Any, packed: Packed, temperature: float, chunk: int, packing: bool, with_entropy: bool,
+           loss_mask: Tensor | None = None, device: torch.device | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropy) of `packed`'s responses, ``[b, R]``, on the model's device."""
+    layout, keep = layout_for(packed, packing, loss_mask)
+    logp, ent = response_logprobs(model, layout, temperature, chunk, with_entropy, device=device)
+    if keep.numel() == packed.input_ids.shape[0]:
+        return logp, ent
+    b, R = packed.input_ids.shape[0], packed.response_width
+    full = logp.new_zeros((b, R)).index_copy(0, keep.to(logp.device), logp)
+    return full, (None if ent is None else ent.new_zeros((b, R)).index_copy(0, keep.to(ent.device), ent))
+
+
+@torch.no_grad()
+def score_rows(model: Any, input_ids: Tensor, attention_mask: Tensor, response_lengths: Sequence[int], pad_id: int,
+               temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, packing: bool = False, budget: int = 0,
+               with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """A forward-only op's scores of its rows (right-padded prompt + response, as ops receive them):
+    float32 ``[b, R]`` log-probs (0 past each response) and entropy, in CPU memory. With `budget`, the
+    rows go through the model in passes of at most that many tokens (`balance.token_micro_batches`)."""
+    from rlgraph.ops.train.engine.balance import token_micro_batches
+    from rlgraph.ops.train.sequences import repack
+
+    resp = list(response_lengths)
+    whole = repack(input_ids, attention_mask, resp, pad_id)
+    if not budget:
+        logp, ent = scored(model, whole, temperature, chunk, packing, with_entropy)
+        return (logp.cpu() * whole.response_mask).float(), (None if ent is None else ent.float().cpu())
+    b, R = input_ids.shape[0], whole.response_width
+    logp = torch.zeros((b, R))
+    ent = torch.zeros((b, R)) if with_entropy else None
+    for part in token_micro_batches(attention_mask.sum(dim=1).tolist(), budget):
+        rows = torch.tensor(part, dtype=torch.long)
+        sub = repack(input_ids[rows], attention_mask[rows], [resp[i] for i in part], pad_id)
+        lp, en = scored(model, sub, temperature, chunk, packing, with_entropy)
+        logp[rows, :sub.response_width] = (lp.cpu() * sub.response_mask).float()
+        if ent is not None and en is not None:
+            ent[rows, :sub.response_width] = en.float().cpu()
+    return logp, ent
 
 
 # ---------------------------------------------------------------------------- the model's forward

@@ -44,7 +44,9 @@ class TrainerMixin:
         if ctx.dp > 1:
             from rlgraph.ops.train.engine import init_distributed
 
-            init_distributed(ctx.rank, ctx.dp, master_addr=ctx.master_addr, master_port=ctx.master_port)
+            # NCCL between GPUs, gloo between CPU processes
+            init_distributed(ctx.rank, ctx.dp, master_addr=ctx.master_addr, master_port=ctx.master_port,
+                             backend="nccl" if torch.cuda.is_available() else "gloo")
 
     def train(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_fn: Callable, ctx: Any, *,
               lr: float, weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str,

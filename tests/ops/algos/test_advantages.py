@@ -126,7 +126,11 @@ def test_padding_rows_and_padding_tokens_change_nothing(estimator):
     values = torch.randn(4, 5) * mask
     uid = torch.tensor([3, 3, 8, 8])
     kw = dict(values=None, gamma=0.9, lam=0.95)
-    base = compute_advantage(estimator, rewards, mask, uid, **{**kw, "values": values})
+    # distill: the student's log-probs are `values`, the teacher's `values / 2` (junk on padding follows them),
+    # mixed with GRPO's advantage at weight 0.5
+    distill = (lambda v: dict(student_log_probs=v, teacher_log_probs=v / 2, distill_task_weight=0.5)) \
+        if estimator == "distill" else (lambda v: {})
+    base = compute_advantage(estimator, rewards, mask, uid, **{**kw, "values": values}, **distill(values))
 
     # garbage on the padding tokens of the real rows, and two padding rows with their own uids
     junk = torch.randn(6, 5) * 100
@@ -134,7 +138,8 @@ def test_padding_rows_and_padding_tokens_change_nothing(estimator):
     pad_rewards = torch.where(pad_mask.bool(), torch.cat([rewards, rewards[:2]]), junk)
     pad_values = torch.where(pad_mask.bool(), torch.cat([values, values[:2]]), junk.flip(0))
     pad_uid = torch.tensor([3, 3, 8, 8, 100, 101])
-    padded = compute_advantage(estimator, pad_rewards, pad_mask, pad_uid, **{**kw, "values": pad_values})
+    padded = compute_advantage(estimator, pad_rewards, pad_mask, pad_uid, **{**kw, "values": pad_values},
+                               **distill(pad_values))
 
     torch.testing.assert_close(padded.advantages[:4], base.advantages)
     torch.testing.assert_close(padded.returns[:4], base.returns)
@@ -194,3 +199,26 @@ def test_a_group_of_one_passes_its_raw_score_through_in_every_group_estimator(es
 def test_group_estimators_accept_an_empty_batch(estimator):
     res = compute_advantage(estimator, torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
     assert res.advantages.shape == (0, 3)
+
+
+def test_distill_by_hand():
+    # two responses of 3 and 2 tokens; student and teacher log-probs of the sampled tokens:
+    #   row 0: student [-1.0, -0.5, -2.0], teacher [-0.5, -0.5, -3.0] -> A = teacher - student = [0.5, 0, -1.0]
+    #   row 1: student [-0.2, -4.0],       teacher [-1.2, -1.0]       -> A = [-1.0, 3.0], and 0 past the response
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float32)
+    student = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -4.0, -9.0]])
+    teacher = torch.tensor([[-0.5, -0.5, -3.0], [-1.2, -1.0, -7.0]])
+    rewards = torch.zeros(2, 3)
+    res = compute_advantage("distill", rewards, mask, torch.tensor([0, 0]), student_log_probs=student,
+                            teacher_log_probs=teacher)
+    torch.testing.assert_close(res.advantages, torch.tensor([[0.5, 0.0, -1.0], [-1.0, 3.0, 0.0]]))
+    assert res.returns is res.advantages
+    # mixed with the task reward: one group, scores 1 and 0 on the last tokens -> GRPO +-(0.5 / std) on every token,
+    # std of [1, 0] (unbiased) = 0.70711: +-0.70711, times the weight 0.5
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    mixed = compute_advantage("distill", rewards, mask, torch.tensor([0, 0]), student_log_probs=student,
+                              teacher_log_probs=teacher, distill_task_weight=0.5)
+    g = 0.5 / (2 ** -0.5 + 1e-6) * 0.5
+    torch.testing.assert_close(mixed.advantages, torch.tensor([[0.5 + g, g, -1.0 + g], [-1.0 - g, 3.0 - g, 0.0]]))
+    with pytest.raises(ValueError, match="needs student_log_probs"):
+        compute_advantage("distill", rewards, mask, torch.tensor([0, 0]))

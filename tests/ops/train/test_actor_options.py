@@ -174,3 +174,15 @@ def test_the_adapter_export_loads_in_peft_as_the_trained_policy(model_dir, tmp_p
     x = batch()["input_ids"][:2, :8]
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, w.model(input_ids=x).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_gradient_checkpointing_recomputes_without_changing_the_gradient(model_dir, monkeypatch):
+    cols = batch()
+    plain, ckpt = worker(model_dir), worker(model_dir, gradient_checkpointing=True)
+    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    grads = recorded_gradients(monkeypatch)
+    m_plain, _ = update(plain, cols, model_dir)
+    m_ckpt, _ = update(ckpt, cols, model_dir, gradient_checkpointing=True)
+    assert m_ckpt["loss"] == pytest.approx(m_plain["loss"], rel=1e-6)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

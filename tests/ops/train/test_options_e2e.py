@@ -120,3 +120,20 @@ def _check_lora_export(run_dir, model_dir, tmp_path):
         base = load_causal_lm(model_dir)(input_ids=x).logits
     torch.testing.assert_close(via_merge, via_peft, atol=1e-5, rtol=1e-4)
     assert (via_merge - base).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+def test_ppo_with_an_fsdp2_critic_and_token_budgets(model_dir, tq_plane, tmp_path):
+    """The critic takes the same engine options (backend, token budgets for its update and the values pass)."""
+    pipeline, ref = load_pipeline(str(ROOT / "examples" / "ppo.py"))
+    plan = rlgraph.compile(pipeline, [f"actor.model_path={model_dir}", "data.batch_size=4", "rollout.n=4",
+                                      "actor.mini_batch_size=2", "critic.mini_batch_size=2", "data.num_rows=64",
+                                      "critic.backend=fsdp2", "critic.max_tokens_per_micro_batch=48",
+                                      "values.max_tokens_per_micro_batch=48", "actor.backend=fsdp2"],
+                           pipeline_ref=ref)
+    stream = _run(plan, tmp_path / "stream", tq_plane, steps=2, schedule="stream")
+    sync = _run(plan, tmp_path / "sync", tq_plane, steps=2, schedule="sync")
+    assert _stable(stream) == _stable(sync)
+    for rec in stream:
+        assert math.isfinite(rec["update_critic/critic_metrics/loss"])
+        assert rec["update_critic/critic_metrics/micro_batches"] >= 2

@@ -79,7 +79,9 @@ def agree_on_count(count: int, world_size: int) -> int:
         return count
     import torch.distributed as dist
 
-    t = torch.tensor([count], dtype=torch.int64)
+    from rlgraph.ops.train.engine.dist import collective_device
+
+    t = torch.tensor([count], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -94,23 +96,28 @@ def balance_across_ranks(batch: Mapping[str, Tensor], lengths: Tensor, rank: int
         return dict(batch), {}
     import torch.distributed as dist
 
+    from rlgraph.ops.train.engine.dist import collective_device
+
+    dev = collective_device()  # NCCL moves GPU tensors only
     rows = int(lengths.shape[0])
-    table = torch.zeros(world_size, dtype=torch.int64)
+    table = torch.zeros(world_size, dtype=torch.int64, device=dev)
     table[rank] = rows
     dist.all_reduce(table)
     if len(set(table.tolist())) > 1:  # raised on every rank at once: none is left waiting in a collective
         raise ValueError(f"cannot balance the batch across ranks: they hold different numbers of rows "
                          f"{table.tolist()}; every rank must hold the same number (the runtime pads the batch so)")
+    lengths = lengths.to(dev)
     all_lengths = [torch.zeros_like(lengths) for _ in range(world_size)]
     dist.all_gather(all_lengths, lengths.contiguous())
+    all_lengths = [t.cpu() for t in all_lengths]
     pooled_lengths = torch.cat(all_lengths).tolist()
     parts = balanced_parts(pooled_lengths, world_size, equal_size=True)
     # equal_size keeps every part at `rows` rows (same count on every rank, so whole mini-batches)
     mine = torch.tensor(parts[rank], dtype=torch.long)
     out: dict[str, Tensor] = {}
     for key in sorted(batch):
-        local = batch[key]
-        width = torch.tensor([local.shape[1] if local.dim() > 1 else 0], dtype=torch.int64)
+        local = batch[key].to(dev)
+        width = torch.tensor([local.shape[1] if local.dim() > 1 else 0], dtype=torch.int64, device=dev)
         dist.all_reduce(width, op=dist.ReduceOp.MAX)
         padded = local
         if local.dim() > 1 and local.shape[1] < int(width):
@@ -118,7 +125,7 @@ def balance_across_ranks(batch: Mapping[str, Tensor], lengths: Tensor, rank: int
             padded = torch.cat([local, pad], dim=1)
         gathered = [torch.zeros_like(padded) for _ in range(world_size)]
         dist.all_gather(gathered, padded.contiguous())
-        out[key] = torch.cat(gathered)[mine]
+        out[key] = torch.cat(gathered)[mine.to(dev)].cpu()
     sums_before = [int(t.sum()) for t in all_lengths]
     sums_after = [sum(int(pooled_lengths[i]) for i in p) for p in parts]
     mean = max(sum(sums_before) / world_size, 1e-9)

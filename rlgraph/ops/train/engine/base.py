@@ -217,8 +217,11 @@ class TrainEngine:
 def _all_reduce_max(t: Tensor, world_size: int) -> Tensor:
     import torch.distributed as dist
 
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    from rlgraph.ops.train.engine.dist import collective_device
+
+    moved = t.to(collective_device())
+    dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+    return moved.cpu()
 
 
 def _rows(batch: Mapping[str, Tensor]) -> int:

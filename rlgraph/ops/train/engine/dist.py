@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rlgraph.ops.train.engine.config import EngineError
 
-__all__ = ["init_distributed", "free_port", "all_reduce_sum"]
+__all__ = ["init_distributed", "free_port", "all_reduce_sum", "collective_device"]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -67,6 +67,13 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return True
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must be: the GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:

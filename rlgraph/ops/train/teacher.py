@@ -1,0 +1,90 @@
+"""The distillation teacher: log-probs of the student's sampled tokens under another model.
+
+`stages.teacher_logprob()` runs `TeacherWorker.compute_teacher_log_prob` on the student's
+responses as they stream out of generation, like ``ref``: on a worker group of its own (the usual
+placement: the teacher is often larger than the student) or colocated with the actor. The teacher
+is any Hugging Face causal LM with the student's tokenizer; the compiler refuses another tokenizer
+(`rlgraph.ops.tokenizers`) and the worker checks again when it starts, for model directories that
+did not exist at compile time.
+
+Backends (``teacher.backend``): ``hf``, a transformers forward with the policy's chunked log-probs
+(``actor.logprob_chunk_size``, the packed layout with ``actor.packing``) in bfloat16 on a GPU; or
+``vllm``, a vLLM engine per rank that scores prompt + response as one prompt and returns its
+prompt log-probs (the teacher's log-prob of every token given those before it), started on the
+first call. The result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlgraph.errors import ConfigError
+from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
+from rlgraph.ops.settings import ActorSettings, RolloutSettings, TeacherSettings
+from rlgraph.ops.tokenizers import tokenizer_mismatch
+from rlgraph.ops.train.logprobs import enable_token_logprobs, score_rows
+
+__all__ = ["TeacherWorker", "TeacherError"]
+
+
+class TeacherError(ConfigError):
+    """The teacher cannot score the student's tokens (no model, another tokenizer)."""
+
+
+class TeacherWorker:
+    def setup(self, ctx: Any) -> None:
+        teacher, actor = TeacherSettings.of(ctx), ActorSettings.of(ctx)
+        if not teacher.model_path:
+            raise TeacherError("teacher_logprob has no teacher: set teacher.model_path to a local Hugging Face model "
+                               "directory with the student's tokenizer")
+        student = actor.model_path or RolloutSettings.of(ctx).model_path
+        why = tokenizer_mismatch(student, teacher.model_path) if student else None
+        if why:
+            raise TeacherError(f"the teacher {teacher.model_path!r} and the student {student!r} tokenize differently: "
+                               f"{why}; distil from a teacher with the student's tokenizer")
+        self.path, self.backend = teacher.model_path, teacher.backend
+        self.temperature = teacher.temperature
+        self.chunk, self.packing = actor.logprob_chunk_size, actor.packing
+        self.gpu_memory_utilization = teacher.gpu_memory_utilization
+        self.seed = int(ctx.seed)
+        self.tokenizer = load_tokenizer(self.path)
+        self.model: Any = None
+        self.engine: Any = None
+        if self.backend == "hf":
+            device = worker_device()
+            self.model = load_causal_lm(self.path, dtype=forward_dtype(device)).to(device).eval()
+            self.model.requires_grad_(False)
+            enable_token_logprobs(self.model)
+
+    def compute_teacher_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                 position_ids: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, *,
+                                 max_tokens_per_micro_batch: int = 0, ctx: Any) -> dict[str, Any]:
+        resp = list(ctx.lengths["response_len"])
+        if self.backend == "vllm":
+            return {"teacher_log_probs": self._vllm(input_ids, attention_mask, resp, ctx.rank)}
+        logp, _ = score_rows(self.model, input_ids, attention_mask, resp, self.tokenizer.pad_token_id,
+                             self.temperature, self.chunk, self.packing, max_tokens_per_micro_batch)
+        return {"teacher_log_probs": logp}
+
+    def _vllm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp: list[int], rank: int) -> torch.Tensor:
+        from rlgraph.ops.rollout.vllm_engine import VLLMEngine
+
+        if self.engine is None or self.engine.ensure_running():
+            if self.engine is None:
+                self.engine = VLLMEngine(self.path, rank=rank, seed=self.seed,
+                                         gpu_memory_utilization=self.gpu_memory_utilization)
+        totals = attention_mask.sum(dim=1).tolist()
+        seqs = [input_ids[i, :n].tolist() for i, n in enumerate(totals)]
+        out = torch.zeros((len(seqs), max(resp) if resp else 0))
+        todo = [i for i, r in enumerate(resp) if r > 0]
+        scored = self.engine.prompt_logprobs([seqs[i] for i in todo])
+        for i, lps in zip(todo, scored):
+            p = totals[i] - resp[i]  # the response's first token is at position p; lps[k] scores token k
+            out[i, :resp[i]] = torch.tensor(lps[p:p + resp[i]], dtype=torch.float32)
+        return out
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,120 @@
+"""The distillation teacher: refused before anything starts when it cannot score the student's tokens,
+and its log-probs those of the teacher model on the student's samples (transformers and vLLM)."""
+
+import pytest
+import torch
+
+import rlgraph
+from rlgraph import Cluster, Pipeline, PipelineError, WorkerGroup
+from rlgraph.ops import stages
+from rlgraph.ops.models import build_tiny_model, load_causal_lm
+from rlgraph.ops.tokenizers import tokenizer_mismatch
+from rlgraph.runtime.invoke import OpContext
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"student": str(build_tiny_model(root / "student", seed=1)),
+            "teacher": str(build_tiny_model(root / "teacher", seed=2, hidden_size=128, num_layers=3)),
+            "other": str(build_tiny_model(root / "other", chars="0123456789+=xyz ", seed=3))}
+
+
+def distill(**config):
+    return Pipeline(
+        name="d", source=stages.prompt_source(),
+        ops=[stages.generate(), stages.reward(group="reward"), stages.old_logprob(),
+             stages.teacher_logprob(group="teacher"), stages.advantage("distill", group="adv"), stages.update_actor()],
+        groups=[WorkerGroup("actor"), WorkerGroup("teacher"), WorkerGroup("reward"), WorkerGroup("adv")],
+        cluster=Cluster(num_nodes=1, cpus_per_node=8), config=config)
+
+
+def test_a_teacher_with_another_tokenizer_is_a_compile_error(models):
+    assert tokenizer_mismatch(models["student"], models["teacher"]) is None  # the same character tokenizer
+    why = tokenizer_mismatch(models["student"], models["other"])
+    assert why and "vocabularies of" in why
+    with pytest.raises(PipelineError, match=r"(?s)tokenize differently: vocabularies of .*distil from a teacher with the "
+                                            r"student's tokenizer"):
+        rlgraph.compile(distill(actor={"model_path": models["student"]}, teacher={"model_path": models["other"]}))
+    plan = rlgraph.compile(distill(actor={"model_path": models["student"]}, teacher={"model_path": models["teacher"]}))
+    assert [o.name for o in plan.ops if o.name in ("old_logprob", "teacher")] == ["old_logprob", "teacher"]
+
+
+def test_distillation_needs_a_teacher_and_a_teacher_needs_a_model(models):
+    with pytest.raises(PipelineError, match=r"teacher.model_path is empty"):
+        rlgraph.compile(distill(actor={"model_path": models["student"]}))
+    no_teacher = Pipeline(
+        name="d", source=stages.prompt_source(),
+        ops=[stages.generate(), stages.reward(group="reward"), stages.old_logprob(),
+             stages.advantage("distill", group="adv"), stages.update_actor()],
+        groups=[WorkerGroup("actor"), WorkerGroup("reward"), WorkerGroup("adv")],
+        cluster=Cluster(num_nodes=1, cpus_per_node=8), config={"actor": {"model_path": models["student"]}})
+    with pytest.raises(PipelineError, match=r"(?s)'distill' needs column 'teacher_log_probs'.*stages.teacher_logprob\(\)"):
+        rlgraph.compile(no_teacher)
+
+
+def _rows(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [5, 3, 7], [4, 0, 6]
+    width = max(p + r for p, r in zip(prompts, responses)) + 1
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, :p + r] = torch.randint(7, 20, (p + r,), generator=g)
+        mask[i, :p + r] = 1
+    return ids, mask, responses
+
+
+def _teacher(models, backend="hf"):
+    from rlgraph.ops.train.teacher import TeacherWorker
+
+    ctx = OpContext(op="teacher", group="teacher", rank=0, dp=1, step=0, chunk=0, seed=0, rows=(0, 1, 2),
+                    is_padding=(False,) * 3, config={"actor": {"model_path": models["student"]},
+                                                     "teacher": {"model_path": models["teacher"], "backend": backend}})
+    w = TeacherWorker()
+    w.setup(ctx)
+    return w
+
+
+def _score(w, ids, mask, responses):
+    ctx = OpContext(op="teacher", group="teacher", rank=0, dp=1, step=0, chunk=0, seed=0, rows=(0, 1, 2),
+                    is_padding=(False,) * 3, lengths={"response_len": tuple(responses)})
+    R = max(responses)
+    return w.compute_teacher_log_prob(ids, mask, mask.cumsum(1) - 1, ids[:, :R], mask[:, :R], ctx=ctx)[
+        "teacher_log_probs"]
+
+
+def test_teacher_log_probs_are_the_teacher_model_s(models):
+    ids, mask, responses = _rows()
+    got = _score(_teacher(models), ids, mask, responses)
+    teacher = load_causal_lm(models["teacher"])
+    for i, r in enumerate(responses):
+        n = int(mask[i].sum())
+        with torch.no_grad():
+            logp = teacher(input_ids=ids[i:i + 1, :n]).logits[0].log_softmax(-1)
+        p = n - r
+        want = torch.stack([logp[p - 1 + t, ids[i, p + t]] for t in range(r)]) if r else torch.zeros(0)
+        torch.testing.assert_close(got[i, :r], want, atol=1e-5, rtol=1e-5)
+        assert bool((got[i, r:] == 0).all())
+
+
+def test_the_worker_refuses_another_tokenizer_at_start(models):
+    from rlgraph.ops.train.teacher import TeacherError, TeacherWorker
+
+    ctx = OpContext(op="teacher", group="teacher", rank=0, dp=1, step=0, chunk=0, seed=0, rows=(), is_padding=(),
+                    config={"actor": {"model_path": models["student"]}, "teacher": {"model_path": models["other"]}})
+    with pytest.raises(TeacherError, match="tokenize differently"):
+        TeacherWorker().setup(ctx)
+
+
+@pytest.mark.vllm
+def test_a_vllm_teacher_gives_the_transformers_teacher_s_log_probs(models):
+    pytest.importorskip("vllm", reason="vLLM is not installed: bash scripts/setup.sh --vllm=cpu")
+    ids, mask, responses = _rows(seed=3)
+    hf = _score(_teacher(models), ids, mask, responses)
+    w = _teacher(models, backend="vllm")
+    try:
+        got = _score(w, ids, mask, responses)
+    finally:
+        w.close()
+    torch.testing.assert_close(got, hf, atol=2e-3, rtol=1e-3)
