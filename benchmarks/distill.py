@@ -7,7 +7,7 @@ Three ways to train the student, each for STEPS steps with seeds 0, 1, 2, one ru
 - mix: distillation plus the task reward's GRPO advantage (``algorithm.distill_task_weight=1``).
 
 The student's accuracy is the mean reward of its samples (``score/mean``, sampled at temperature
-1); the teacher's is measured the same way (sampling at temperature 1) on the validation prompts.
+1); the teacher's is measured the same way (sampling at temperature 1) on the prompts the student trains on.
 Target: distillation reaches 90% of the teacher's accuracy (5-step moving average) in at most half
 the steps GRPO alone needs. Writes docs/img/distill.svg and its section of docs/examples.md.
 
@@ -46,16 +46,21 @@ def run_one(ref: str, extra: list[str], seed: int, steps: int, out: Path) -> lis
 
 
 def teacher_accuracy(rows: int = 256) -> float:
-    """The teacher's mean reward sampling at temperature 1 (the student's measure), on validation prompts."""
+    """The teacher's mean reward sampling at temperature 1 on the prompts the student trains on (the student's
+    measure: `score/mean` is over the training prompts)."""
     from rlgraph.graph.loader import load_pipeline
     from rlgraph.ops.data.tasks import make_rows
     from rlgraph.ops.models import load_causal_lm, load_tokenizer
     from rlgraph.ops.tiny import evaluate
 
-    pipeline, _ = load_pipeline(str(common.ROOT / "examples" / "distill.py"))
+    from rlgraph.graph.compile import compile_pipeline
+    from rlgraph.runtime.runner import prepare
+
+    pipeline, ref = load_pipeline(str(common.ROOT / "examples" / "distill.py"))
+    prepare(compile_pipeline(pipeline, [], ref))  # builds the student and the teacher (once; cached)
     path = str(Path(pipeline.config["teacher"]["model_path"]).expanduser())
     return evaluate(load_causal_lm(path), load_tokenizer(path, padding_side="left"),
-                    make_rows("add", rows, seed=7, split="test"), temperature=1.0, seed=0)
+                    make_rows("add", rows, seed=7, split="train"), temperature=1.0, seed=0)
 
 
 def smoothed(values: list[float], window: int = WINDOW) -> list[float]:
@@ -124,22 +129,29 @@ def run(steps: int = STEPS, seeds: tuple[int, ...] = SEEDS, out_root: Path | Non
             print(f"  {mode} seed {seed}: {raw[0]:.2f} -> {statistics.mean(raw[-5:]):.2f}, 90% at step {k}", flush=True)
     chart(curves, minutes, target, teacher)
 
-    def worst(mode: str) -> float:  # a run that never reached it counts as past the last step
-        return max(steps if k is None else k for k in reached[mode])
-
-    d, g = worst("distill"), worst("GRPO")
-    verdict = ("met" if d <= g / 2 else "not met") + f": distillation's slowest seed at step {d}, GRPO's at " + (
-        f"step {g}" if all(k is not None for k in reached["GRPO"]) else f"> {steps} (some seeds never)")
-    intro = (f"`examples/distill.py`: the same weak student (2 layers, 40 warm-start steps) trained {steps} steps "
+    last = {mode: statistics.mean(statistics.mean(c[-5:]) for c in curves[mode]) for mode in curves}
+    if any(k is None for k in reached["distill"]):
+        verdict = (f"not met: distillation did not reach it within {steps} steps on every seed (GRPO "
+                   f"{'neither' if any(k is None for k in reached['GRPO']) else 'did'}); after {steps} steps the mean "
+                   f"accuracy is " + ", ".join(f"{m} {v:.3f}" for m, v in last.items()))
+    else:
+        d = max(k for k in reached["distill"] if k is not None)
+        g = max(steps if k is None else k for k in reached["GRPO"])
+        verdict = ("met" if d <= g / 2 else "not met") + f": distillation's slowest seed at step {d}, GRPO's at " + (
+            f"step {g}" if all(k is not None for k in reached["GRPO"]) else f"> {steps} (some seeds never)")
+    intro = (f"`examples/distill.py`: the same weak student (2 layers, 100 warm-start steps) trained {steps} steps "
              f"by on-policy distillation from the 4-layer teacher, by GRPO alone, and by both, seeds "
              f"{', '.join(map(str, seeds))}. Accuracy is the mean reward of the student's samples at temperature 1; "
-             f"the teacher's, measured the same way on the validation prompts, is {teacher:.3f}, so the target is "
+             f"the teacher's, measured the same way on the training prompts, is {teacher:.3f}, so the target is "
              f"{target:.3f}. Target: distillation reaches it in at most half the steps GRPO alone needs ({verdict}).\n\n"
              f"![distillation vs GRPO](img/distill.svg)")
-    notes = ("Distillation gets a signal on every token from the first step: the teacher says which of the "
-             "student's tokens it would not have written, while GRPO learns only from groups whose samples "
-             "differ in reward. Its cost per step is one teacher forward on the samples (its own worker group, "
-             "streamed per group like the reference).")
+    notes = ("Why distillation is not faster here: the teacher is nearly deterministic on these prompts, so a token "
+             "the student samples that the teacher would not write has a teacher log-prob around -10 and a "
+             "per-token advantage that dominates its batch (`reverse_kl/mean` stays near 3 nats per token, "
+             "moving little); the single-sample reverse-KL estimate is that noisy. The answers are one to three "
+             "tokens, so GRPO's one reward per sample is almost as dense a signal. Adding the task reward's "
+             "advantage (mix) does not change that within these steps. Each distillation step costs one teacher "
+             "forward on the samples (its own worker group, streamed per group like the reference).")
     return common.Section("distill", "On-policy distillation vs GRPO, 3 seeds", intro, [t], notes,
                           command=".venv/bin/python -m benchmarks.distill")
 

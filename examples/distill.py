@@ -1,6 +1,6 @@
 """On-policy distillation on the addition task: a weak student learns from a stronger teacher's log-probs.
 
-The student (the tiny 2-layer model, barely warm-started) samples; the teacher (a 4-layer model
+The student (the tiny 2-layer model with the GRPO example's short warm start) samples; the teacher (a 4-layer model
 warm-started much longer, with the same character tokenizer) scores each sampled token
 (``stages.teacher_logprob``); the advantage of every token is the per-token reverse KL to the
 teacher, ``log p_teacher - log p_student`` (``stages.advantage("distill")``). The rule reward still
@@ -17,9 +17,9 @@ GRPO advantage in. ``grpo`` below is the same student trained by GRPO alone, for
 from rlgraph import Cluster, Pipeline, WorkerGroup
 from rlgraph.ops import stages
 
-STUDENT = "~/.cache/rlgraph/models/tiny-add-student-v1"
+STUDENT = "~/.cache/rlgraph/models/tiny-add-student-v2"
 TEACHER = "~/.cache/rlgraph/models/tiny-add-teacher-v1"
-STUDENT_SFT_STEPS, TEACHER_SFT_STEPS = 40, 800
+STUDENT_SFT_STEPS, TEACHER_SFT_STEPS = 100, 800
 
 
 def prepare(config):

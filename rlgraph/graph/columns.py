@@ -51,6 +51,9 @@ class ColumnType:
     level: Level = "sample"
     kind: Kind = "data"
     doc: str = ""
+    # state only: every rank of the producing group writes the same value (data-parallel replicas), so the
+    # group's other ranks need no copy of rank 0's
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -72,9 +75,11 @@ class ColumnType:
         """One value for the whole batch instead of one per sample."""
         return dataclasses.replace(self, level="batch")
 
-    def state(self) -> ColumnType:
-        """Cross-step state: produced in step t, consumed in step t+1 (never a cycle)."""
-        return dataclasses.replace(self, kind="state", level="batch")
+    def state(self, replicated: bool = False) -> ColumnType:
+        """Cross-step state: produced in step t, consumed in step t+1 (never a cycle). `replicated`: every
+        rank of the producing group writes the same value (weights kept equal by DDP, DeepSpeed or FSDP2),
+        so none of its ranks is given rank 0's copy."""
+        return dataclasses.replace(self, kind="state", level="batch", replicated=replicated)
 
     def metric(self) -> ColumnType:
         """A batch-level metrics record: always kept, never pruned."""

@@ -42,6 +42,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
         col: ColumnPlan(
             name=col, dtype=ct.dtype, shape=list(ct.shape), level=ct.level, kind=ct.kind,
             producer=g.producers[col][0], consumers=consumers.get(col, []), stored=stored[col],
+            replicated=ct.replicated,
         )
         for col, ct in sorted(g.column_types.items())
     }

@@ -53,6 +53,8 @@ class ColumnPlan(_Frozen):
     producer: str = Field(description="the op (or the data source) that writes it")
     consumers: list[str] = Field(description="ops that read it")
     stored: bool = Field(description="kept in the data plane (false: pruned, nobody reads it)")
+    replicated: bool = Field(False, description="state written alike by every rank of its producer's group: "
+                             "the group's ranks are not given rank 0's copy")
 
 
 class EdgePlan(_Frozen):

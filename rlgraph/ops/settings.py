@@ -26,6 +26,7 @@ __all__ = [
     "AgentSettings",
     "RewardSettings",
     "RewardModelSettings",
+    "JudgeSettings",
     "OverlongSettings",
     "FilterGroupsSettings",
     "ForwardSettings",
@@ -206,6 +207,51 @@ class RewardModelSettings(Section):
     ids directly)"""
 
 
+class JudgeSettings(Section):
+    """`reward_model(kind="generative")`'s settings (``judge.*``): a served model asked to grade each response.
+    The judge's worker reads them when it starts."""
+
+    namespace: ClassVar[str] = "judge"
+
+    backend: Literal["vllm", "openai"] = Field("vllm", json_schema_extra=SETUP)
+    """vllm: a vLLM engine per rank of the op's worker group (its own pool, or colocated); openai: an
+    OpenAI-compatible chat completions endpoint at judge.url"""
+    model_path: str = Field("", json_schema_extra=SETUP)
+    """backend=vllm: the judge, a local Hugging Face causal LM directory (its chat template is used when it has one)"""
+    url: str = Field("", json_schema_extra=SETUP)
+    """backend=openai: the endpoint's base URL, e.g. http://127.0.0.1:8000/v1 (POST {url}/chat/completions)"""
+    model: str = Field("", json_schema_extra=SETUP)
+    """backend=openai: the served model's name"""
+    api_key_env: str = Field("OPENAI_API_KEY", json_schema_extra=SETUP)
+    """backend=openai: the environment variable holding the API key (sent as a bearer token when set; never put
+    the key itself in the config)"""
+    template: str = Field("Grade the answer to the question from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\n"
+                          "Reply with 'Score: N'.", json_schema_extra=SETUP)
+    """the judge's prompt; {prompt}, {response} and {ground_truth} are replaced by the sample's"""
+    score_pattern: str = Field(r"Score:\s*(-?\d+(?:\.\d+)?)", json_schema_extra=SETUP)
+    """regular expression whose first group is the score in the judge's answer (the first match counts)"""
+    score_scale: float = Field(10.0, ge=1e-9, json_schema_extra=SETUP)
+    """the parsed score is divided by this (0..10 -> 0..1)"""
+    max_new_tokens: int = Field(32, ge=1, json_schema_extra=SETUP)
+    """longest answer of the judge"""
+    temperature: float = Field(0.0, ge=0.0, json_schema_extra=SETUP)
+    """the judge's sampling temperature (0: greedy)"""
+    timeout_s: float = Field(60.0, ge=0.01, json_schema_extra=SETUP)
+    """one judgement's deadline (one request; with vllm, the call's whole batch)"""
+    retries: int = Field(2, ge=0, json_schema_extra=SETUP)
+    """backend=openai: attempts after a failed request (a time-out, a connection error, a 5xx or 429), with
+    exponential back-off; an unparsable answer is not retried"""
+    concurrency: int = Field(8, ge=1, json_schema_extra=SETUP)
+    """backend=openai: requests in flight at once"""
+    on_error: Literal[ON_ERROR] = Field("fail", json_schema_extra=SETUP)  # type: ignore[valid-type]
+    """a sample whose judgement timed out, failed or could not be parsed: fail the step (naming the answer), score
+    it 0 (zero), or leave its group out of training (drop_group); each is counted in the op's metrics"""
+    micro_batch_size: int = Field(32, ge=1)
+    """samples per call"""
+    gpu_memory_utilization: float = Field(0.3, ge=0.0, json_schema_extra=SETUP)
+    """backend=vllm on a GPU: share of its memory the judge's engine may take"""
+
+
 class OverlongSettings(Section):
     """`overlong_penalty`'s settings (``overlong.*``, or the op's name)."""
 
@@ -290,7 +336,7 @@ class TeacherSettings(ForwardSettings):
     backend: Literal["hf", "vllm"] = Field("hf", json_schema_extra=SETUP)
     """hf: a transformers forward on the op's worker group (chunked log-probs, actor.packing's layout); vllm: a
     vLLM engine per rank scoring prompt + response as a prompt (its prompt log-probs)"""
-    temperature: float = Field(1.0, ge=0.01)
+    temperature: float = Field(1.0, ge=0.01, json_schema_extra=SETUP)
     """the temperature of the teacher's log-probs (the student's are at rollout.temperature; keep both at 1 for the
     reverse KL of the two models' own distributions); the vllm backend takes 1 only"""
     gpu_memory_utilization: float = Field(0.3, ge=0.0, json_schema_extra=SETUP)
@@ -371,7 +417,8 @@ class UpdateSettings(Section):
     """backend=fsdp2: bf16 computes in bfloat16 with float32 master weights and float32 gradient reduction; auto:
     bf16 on a CUDA GPU that supports it, fp32 elsewhere (CPU)"""
     cpu_offload: bool = Field(False, json_schema_extra=SETUP)
-    """backend=fsdp2: keep weight shards, gradients and optimizer state in CPU memory between uses"""
+    """backend=fsdp2 on a GPU: keep weight shards, gradients and optimizer state in CPU memory between uses (on a
+    CPU device they are there already)"""
     gradient_checkpointing: bool = Field(False, json_schema_extra=SETUP)
     """recompute each layer's activations in the backward pass instead of keeping them (less memory, about a
     third more compute; verl: enable_gradient_checkpointing)"""
@@ -484,8 +531,8 @@ class ActorSettings(UpdateSettings):
 # every built-in section, the trainer's, the data plane's and the cluster's included
 SECTIONS: tuple[type[Section], ...] = (
     TrainerSettings, DataplaneSettings, ClusterSettings, DataSettings, RolloutSettings, RewardSettings,
-    RewardModelSettings, OverlongSettings, FilterGroupsSettings, OldLogprobSettings, RefSettings, TeacherSettings,
-    ValuesSettings, AlgorithmSettings, CriticSettings, ActorSettings,
+    RewardModelSettings, JudgeSettings, OverlongSettings, FilterGroupsSettings, OldLogprobSettings, RefSettings,
+    TeacherSettings, ValuesSettings, AlgorithmSettings, CriticSettings, ActorSettings,
 )
 
 # verl key -> rlgraph key, from the sections' verl tables (`rlgraph.graph.verl` translates a pipeline's

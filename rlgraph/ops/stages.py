@@ -10,6 +10,7 @@ Column names follow verl's, so reward code and metrics carry over.
 from __future__ import annotations
 
 import difflib
+import re
 
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -21,9 +22,9 @@ from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
 from rlgraph.graph.settings import params_of
 from rlgraph.ops.names import ESTIMATOR_NEEDS, ESTIMATORS
 from rlgraph.ops.settings import (ActorSettings, AgentSettings, AlgorithmSettings, CriticSettings, DataSettings,
-                                  FilterGroupsSettings, ForwardSettings, OldLogprobSettings, OverlongSettings,
-                                  RefSettings, RewardModelSettings, RewardSettings, RolloutSettings, TeacherSettings,
-                                  ValuesSettings)
+                                  FilterGroupsSettings, ForwardSettings, JudgeSettings, OldLogprobSettings,
+                                  OverlongSettings, RefSettings, RewardModelSettings, RewardSettings, RolloutSettings,
+                                  TeacherSettings, ValuesSettings)
 
 __all__ = [
     "COLUMNS",
@@ -90,8 +91,8 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     # updates
     "critic_metrics": T.json().metric(),
     "actor_metrics": T.json().metric(),
-    "critic_weights": T.opaque(doc="critic parameters after the update").state(),
-    "policy_weights": T.opaque(doc="policy parameters after the update").state(),
+    "critic_weights": T.opaque(doc="critic parameters after the update").state(replicated=True),
+    "policy_weights": T.opaque(doc="policy parameters after the update").state(replicated=True),
 })
 
 
@@ -264,18 +265,41 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
 
 
 def reward_model(group: str = "reward_model", name: str = "reward_model", score_column: str = "rm_scores",
-                 **changes: Any) -> OpSpec:
-    """Score each sample with a discriminative reward model (a sequence-classification head).
+                 kind: str = "discriminative", **changes: Any) -> OpSpec:
+    """Score each sample with a discriminative reward model (a sequence-classification head), or with
+    ``kind="generative"`` a judge: a served model asked to grade each response (``judge.*``).
 
     Place it on its own group/pool, or on the policy's group (``group="actor"``) to share its
     devices: then the model sleeps on the CPU between calls (``offload``). Combine its scores
     with rule scores through `combine_rewards`, or name ``score_column="token_level_scores"``
     to use it alone."""
+    if kind not in ("discriminative", "generative"):
+        raise DeclarationError(f"reward_model(kind={kind!r}): use 'discriminative' (a reward-model head) or "
+                               f"'generative' (a judge model's graded answer)")
+    out_doc = f"reward-model score of the {name} op, on the last response token"
+    if kind == "generative":
+        return OpSpec(
+            name=name,
+            inputs=_cols("prompts", "responses", "response_mask", "ground_truth"),
+            outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
+                     else T.float32(R, doc=f"judge's score of the {name} op, on the last response token"),
+                     f"{name}_metrics": T.json().metric()},
+            granularity="sample",
+            group=group,
+            params=params_of(JudgeSettings),
+            config_key=JudgeSettings.namespace,
+            impl="rlgraph.ops.reward.judge:JudgeWorker.compute_judge_score",
+            batching=Batching(micro_batch="micro_batch_size"),
+            drops=True,
+            validate=_validate_judge,
+            cost=2.0,
+            doc="A judge model grades each response (generative reward model); its parsed score on the last token.",
+        ).with_(**changes)
     return OpSpec(
         name=name,
         inputs=_cols(*_MODEL_INPUTS, "response_mask"),
         outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
-                 else T.float32(R, doc=f"reward-model score of the {name} op, on the last response token")},
+                 else T.float32(R, doc=out_doc)},
         granularity="sample",
         group=group,
         params=params_of(RewardModelSettings),
@@ -285,6 +309,31 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
         cost=1.0,
         doc="Reward-model forward pass: one scalar per sample on its last response token.",
     ).with_(**changes)
+
+
+def _validate_judge(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    out = []
+    if params.get("backend") == "vllm" and not params.get("model_path"):
+        out.append(Problem("op-config", "judge.backend=vllm needs judge.model_path", "set judge.model_path to a local "
+                           "Hugging Face causal LM, or judge.backend=openai with judge.url"))
+    if params.get("backend") == "openai" and not (params.get("url") and params.get("model")):
+        out.append(Problem("op-config", "judge.backend=openai needs judge.url and judge.model",
+                           "set judge.url=http://HOST:PORT/v1 and judge.model=<served model name>"))
+    pattern = params.get("score_pattern") or ""
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as e:
+        out.append(Problem("op-config", f"judge.score_pattern={pattern!r} is not a regular expression: {e}",
+                           "write a Python regular expression with one group around the number"))
+    else:
+        if groups < 1:
+            out.append(Problem("op-config", f"judge.score_pattern={pattern!r} has no group",
+                               "put the number in a group, e.g. Score:\\s*(\\d+)"))
+    unknown = sorted(set(re.findall(r"{(\w*)}", params.get("template") or "")) - {"prompt", "response", "ground_truth"})
+    if unknown:
+        out.append(Problem("op-config", f"judge.template names {unknown}, which a sample does not have",
+                           "use {prompt}, {response} and {ground_truth} (double a brace to write it: {{ }})"))
+    return out
 
 
 def combine_rewards(weights: Mapping[str, float], group: str = "reward", name: str = "combine_rewards",

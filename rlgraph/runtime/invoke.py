@@ -82,6 +82,9 @@ class OpContext:
     # 'module:qualname' of every op body this worker's group runs (a worker class's setup may depend on
     # whether, e.g., the group trains the model it loads)
     group_impls: tuple[str, ...] = ()
+    # the op's state outputs the runtime gives to other workers (another group, or the other ranks of this
+    # one); a state output not named here is read only where it was written
+    exported: frozenset[str] = frozenset()
 
     def event(self, start: float, end: float, lane: int, label: str) -> None:
         """Record something that happened inside this call (times from `time.time()`): the timeline
@@ -305,8 +308,21 @@ class Invoker:
                 config=self.plan.config, master_addr=self.master_addr, master_port=self.master_port,
                 lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs),
                 group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
-                wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state)
+                wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state,
+                exported=self._exported(op))
         return bound.fn(**kwargs), lengths, ctx
+
+    def _exported(self, op: OpPlan) -> frozenset[str]:
+        """`op`'s state outputs that cross to other workers (as `rlgraph.runtime.window.Window.moves` decides)."""
+        out = set()
+        for name in op.outputs:
+            col = self.plan.columns[name]
+            if col.kind != "state":
+                continue
+            groups = {self.plan.op(c).group for c in col.consumers}
+            if groups - {op.group} or (op.group in groups and self.dp > 1 and not col.replicated):
+                out.add(name)
+        return frozenset(out)
 
     def _keep_state(self, op: OpPlan, out: Mapping[str, Any]) -> None:
         for name in op.outputs:

@@ -153,9 +153,10 @@ class Window:
 
     def moves(self, column: str, group: str) -> bool:
         """Whether `group` must be given `column` from its producer: it is another group, or the
-        producer's own group with several ranks (each rank reads rank 0's value, as written)."""
+        producer's own group with several ranks (each rank reads rank 0's value, as written) unless
+        the column is replicated (every rank wrote the same value: data-parallel weights)."""
         producer_group = self.group_of[self.producer[column]]
-        return group != producer_group or self.dp[group] > 1
+        return group != producer_group or (self.dp[group] > 1 and not self.plan.columns[column].replicated)
 
     def holds_initial(self, group: str) -> None:
         """`group` was restarted: it holds the initial value of every state column it reads."""

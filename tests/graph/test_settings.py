@@ -31,7 +31,8 @@ def _every_stage() -> Pipeline:
     """Every built-in stage with its default declaration and no pipeline config (columns need not connect:
     only the config is resolved)."""
     ops = [stages.generate(), stages.reward(), stages.reward_model(), stages.overlong_penalty(),
-           stages.filter_groups(), stages.old_logprob(), stages.ref(), stages.teacher_logprob(), stages.values(), stages.advantage(),
+           stages.filter_groups(), stages.old_logprob(), stages.ref(), stages.teacher_logprob(), stages.values(),
+           stages.advantage(), stages.reward_model(kind="generative", name="judge", score_column="judge_scores"),
            stages.update_critic(), stages.update_actor()]
     return Pipeline("every_stage", stages.prompt_source(), ops, [WorkerGroup("actor", dp=2)], Cluster())
 

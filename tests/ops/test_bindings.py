@@ -18,6 +18,8 @@ SPECS = {
     "reward": stages.reward(),
     "reward_rule_scores": stages.reward(name="rule", score_column="rule_scores"),
     "reward_model": stages.reward_model(),
+    "reward_model_generative": stages.reward_model(kind="generative"),
+    "teacher_logprob": stages.teacher_logprob(),
     "combine_rewards": stages.combine_rewards({"rule_scores": 1.0, "rm_scores": 0.5}),
     "old_logprob": stages.old_logprob(),
     "ref": stages.ref(),

@@ -73,8 +73,9 @@ def test_driver_moves_metadata_only(tq_plane, tmp_path):
     recs = _run(plan, tmp_path, tq_plane, steps=2)
     for r in recs:
         assert r["driver/payload_bytes"] == 0  # no column payload through the driver process
-        # the small results the driver does receive: spans, metrics, per-row floats
-        assert r["driver/result_bytes"] < 40_000
+        # the small results the driver does receive: spans (each with its data-plane time, io_s, about 17
+        # bytes a call), metrics, per-row floats
+        assert r["driver/result_bytes"] < 42_000
 
 
 def test_outputs_trace_and_timeline(tq_plane, tmp_path):

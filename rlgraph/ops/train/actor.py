@@ -384,7 +384,11 @@ class ActorWorker(TrainerMixin):
                    "padded_tokens": float(packed.input_ids.numel())}
         self.model.eval()
         self.policy_version += 1  # the engine (if any) is given these weights before it generates again
-        return {"actor_metrics": metrics, "policy_weights": self._weights(ctx.step)}
+        # weights only where another worker takes them: this group's ranks hold the same ones already (a LoRA
+        # policy's merged copy would be a whole model more in memory)
+        weights = self._weights(ctx.step) if "policy_weights" in ctx.exported else \
+            {"step": ctx.step, "policy_version": self.policy_version, "owner": self.id, "state": {}}
+        return {"actor_metrics": metrics, "policy_weights": weights}
 
     def _staleness(self, policy_version: torch.Tensor | None, policy_version_end: torch.Tensor | None,
                    ctx: Any) -> dict[str, float]:

@@ -53,6 +53,19 @@ def test_fsdp2_picks_bf16_mixed_precision_on_a_gpu():
     assert all(v.device.type == GPU for v in engine.weights().values())
 
 
+def test_fsdp2_cpu_offload_keeps_shards_in_cpu_memory():
+    from rlgraph.ops.train.engine import EngineConfig, create_engine
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(GPU)
+    engine = create_engine(model, EngineConfig(backend="fsdp2", lr=1e-3, cpu_offload=True))
+    assert engine.offloaded
+    assert all(p.to_local().device.type == "cpu" for p in engine.module.parameters())
+    batch = {"x": torch.randn(4, 8), "response_mask": torch.ones(4, 1)}
+    (record,) = engine.train(batch, lambda m, mb, global_tokens, global_seqs: (m(mb["x"]).float().sum() / 4, {}),
+                             mini_batch_size=4, micro_batch_size=4)
+    assert record["grad_norm"] > 0
+
+
 def test_hf_generation_runs_on_the_gpu(model_dir):
     from rlgraph.ops.models import load_causal_lm, load_tokenizer
     from rlgraph.ops.rollout.parts import hf_parts

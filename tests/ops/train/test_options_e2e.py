@@ -137,3 +137,16 @@ def test_ppo_with_an_fsdp2_critic_and_token_budgets(model_dir, tq_plane, tmp_pat
     for rec in stream:
         assert math.isfinite(rec["update_critic/critic_metrics/loss"])
         assert rec["update_critic/critic_metrics/micro_batches"] >= 2
+
+
+@pytest.mark.vllm
+def test_fsdp2_lora_policy_reaches_a_vllm_engine(model_dir, tq_plane, tmp_path):
+    """The vLLM rollout engine is given the FSDP2 worker's whole copy with the LoRA adapters merged, after every
+    update: the generating policy is the trained one."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: bash scripts/setup.sh --vllm=cpu")
+    plan = _plan(model_dir, "rollout.backend=vllm", "actor.backend=fsdp2", "actor.lora_rank=4", "actor.lora_alpha=8",
+                 "actor.lr=1e-3")
+    recs = _run(plan, tmp_path / "run", tq_plane, steps=2)
+    assert recs[0]["generate/rollout_metrics/weight_sync_bytes"] == 0  # step 0: the engine's own weights
+    assert recs[1]["generate/rollout_metrics/weight_sync_bytes"] > 100_000  # the merged policy after step 0
+    assert all(math.isfinite(r["update_actor/actor_metrics/loss"]) for r in recs)

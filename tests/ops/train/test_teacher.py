@@ -118,3 +118,29 @@ def test_a_vllm_teacher_gives_the_transformers_teacher_s_log_probs(models):
     finally:
         w.close()
     torch.testing.assert_close(got, hf, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.ray
+def test_the_distill_example_streams_the_teacher_and_schedules_agree(models, tq_plane, tmp_path):
+    """examples/distill.py on Ray and TransferQueue: the teacher scores each group as it is generated, the
+    distillation advantage trains the student, and stream == sync (with the task reward mixed in)."""
+    import math
+    from pathlib import Path
+
+    from rlgraph.graph.loader import load_pipeline
+    from rlgraph.runtime.runner import RunOptions, run_plan
+
+    pipeline, ref = load_pipeline(str(Path(__file__).parents[3] / "examples" / "distill.py"))
+    plan = rlgraph.compile(pipeline, [f"actor.model_path={models['student']}", f"teacher.model_path={models['teacher']}",
+                                      "data.batch_size=4", "rollout.n=4", "actor.mini_batch_size=4",
+                                      "algorithm.distill_task_weight=0.5", "data.num_rows=64"], pipeline_ref=ref)
+    assert "old_logprob" in [o.name for o in plan.ops]  # the advantage reads old_log_probs: never reused away
+    runs = {s: run_plan(plan, RunOptions(out_dir=tmp_path / s, steps=2, schedule=s, timeout_s=300), plane=tq_plane)
+            for s in ("stream", "sync")}
+    volatile = ("timing/", "throughput/", "driver/result_bytes", "schedule", "load/")
+    stable = {s: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in recs] for s, recs in runs.items()}
+    assert stable["stream"] == stable["sync"]
+    for rec in runs["stream"]:
+        assert math.isfinite(rec["advantage/advantage_metrics/reverse_kl/mean"])
+        assert rec["load/teacher/rank_0/rows"] == 16 and rec["samples/trained"] == 16
+        assert math.isfinite(rec["update_actor/actor_metrics/loss"])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlgraph.ops.train.engine.base import (STATE_FORMAT, TrainEngine, check_state, iter_params_with_grad,
-                                     load_plain_optimizer_state, plain_optimizer_state)
+                                           load_plain_optimizer_state, plain_optimizer_state, trainable_parameters)
 from rlgraph.ops.train.engine.config import EngineConfig, EngineError
 from rlgraph.ops.train.engine.dist import init_distributed
 
@@ -82,8 +82,8 @@ class DeepSpeedEngine(TrainEngine):
                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29500)):
             os.environ.setdefault(key, str(value))
         _skip_shm_comm_build(deepspeed)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.lr, betas=config.betas,
+                                           eps=config.eps, weight_decay=config.weight_decay)
         self.ds_config = deepspeed_config(config, world_size)
         self._engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config,
                                                      dist_init_required=False)

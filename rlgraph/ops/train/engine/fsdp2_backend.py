@@ -9,7 +9,8 @@ then the root (embeddings, final norm, output head).
 - Mixed precision (``mixed_precision``): ``bf16`` computes in bfloat16 with the float32 shards as
   masters and gradients reduced in float32; ``auto`` picks it on a CUDA device that supports
   bfloat16 and float32 elsewhere (on CPU bfloat16 is slow and changes the numbers).
-- ``cpu_offload``: shards, gradients and optimizer state live in CPU memory between uses.
+- ``cpu_offload``: shards, gradients and optimizer state live in CPU memory between uses (on a GPU;
+  on a CPU device they are there already, and the option changes nothing).
 - Gradient accumulation: gradients are reduced at the mini-batch's last micro-batch only
   (``set_requires_gradient_sync``), as DDP's ``no_sync``. FSDP2 averages over ranks, like DDP, so
   the engine's ``loss * world_size`` gives the sum, and dp=2 updates exactly as DDP does.
@@ -28,16 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlgraph.ops.train.engine.base import STATE_FORMAT, TrainEngine, check_state, iter_params_with_grad
+from rlgraph.ops.train.engine.base import STATE_FORMAT, check_state
 from rlgraph.ops.train.engine.config import EngineConfig, EngineError
 from rlgraph.ops.train.engine.dist import init_distributed
+from rlgraph.ops.train.engine.torch_backend import TorchEngine
 
 __all__ = ["FSDP2Engine", "shard_units"]
 
@@ -57,8 +58,9 @@ def _bf16_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-class FSDP2Engine(TrainEngine):
-    """Parameters, gradients and optimizer state sharded over the group (ZeRO-3 semantics, torch-native)."""
+class FSDP2Engine(TorchEngine):
+    """Parameters, gradients and optimizer state sharded over the group (ZeRO-3 semantics, torch-native). The
+    optimizer step (global-norm clipping, a non-finite gradient skipped) is the torch engine's."""
 
     sharded_state = True
 
@@ -84,52 +86,24 @@ class FSDP2Engine(TrainEngine):
         self.mixed_precision = "bf16" if use_bf16 else "fp32"
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 \
             else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+        # on a CPU device everything is in CPU memory already (and FSDP2's offload pins memory for a GPU)
+        self.offloaded = config.cpu_offload and device.type != "cpu"
+        offload = CPUOffloadPolicy() if self.offloaded else OffloadPolicy()
         mesh = init_device_mesh(device.type, (world_size,))
         options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
         for unit in shard_units(self.module):
             fully_shard(unit, **options)
         fully_shard(self.module, **options)
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        if not trainable:
-            raise EngineError("the model has no trainable parameters (every requires_grad is False)")
-        self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.schedule())
-        self.optimizer_steps = 0
-        self.skipped_steps = 0
+        self._optimizer_for(self.module)
 
     @property
     def model(self) -> Any:
         return self.module
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
     def _accumulating(self, last: bool) -> contextlib.AbstractContextManager:
         # reduce-scatter the gradients at the mini-batch's last backward only
         self.module.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
-
-    def _backward(self, loss: Tensor) -> None:
-        loss.backward()
-
-    def _optimizer_step(self) -> float:
-        params = list(iter_params_with_grad(self.module))
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-        if params:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        else:
-            grad_norm = 0.0
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.optimizer_steps += 1
-        else:
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
 
     def weights(self) -> dict[str, Tensor]:
         """The full weights on every rank (a collective: every rank calls it at the same point)."""

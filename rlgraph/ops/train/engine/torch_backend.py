@@ -30,9 +30,13 @@ class TorchEngine(TrainEngine):
         # DDP broadcasts rank 0's weights at construction, so ranks start equal whatever their init
         self._wrapped: Any = model if world_size == 1 else DistributedDataParallel(
             model, device_ids=[self._device] if self._device.type == "cuda" else None)
-        self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.schedule())
+        self._optimizer_for(model)
+
+    def _optimizer_for(self, module: torch.nn.Module) -> None:
+        """AdamW over `module`'s trainable parameters, its LR schedule and the step counters."""
+        self.optimizer = torch.optim.AdamW(trainable_parameters(module), lr=self.config.lr, betas=self.config.betas,
+                                           eps=self.config.eps, weight_decay=self.config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.schedule())
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -56,7 +60,9 @@ class TorchEngine(TrainEngine):
     def _optimizer_step(self) -> float:
         params = list(iter_params_with_grad(self.module))
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else None
+        # a DTensor under FSDP2 (the global norm, the same on every rank)
+        grad_norm = 0.0 if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.optimizer_steps += 1
