@@ -275,8 +275,9 @@ def test_logprob_memory_and_packing_quick(tmp_path):
     assert got["packed"]["loss"] == got["padded"]["loss"]
 
 
+@pytest.mark.ray
 @pytest.mark.bench
-def test_real_shape_quick(tmp_path):
+def test_real_shape_quick(tmp_path, planes):
     """The 0.5B-shape example (cut to 2 layers, same width and vocabulary) runs with the engine options
     off and on; every part of the step breakdown and every worker's peak memory is tabled."""
     from benchmarks import real_shape
