@@ -82,6 +82,7 @@ def test_option_trains_and_stream_equals_sync(option, model_dir, tq_plane, tmp_p
             export_model(tmp_path / "stream", tmp_path / "merged", merge=True)
 
 
+@pytest.mark.slow  # the default run keeps the same check at the op level: tests/ops/train/test_actor_options.py
 @pytest.mark.parametrize("option,baseline", [("packed", []), ("fsdp2", ["groups.actor.dp=2"])])
 def test_option_gives_the_plain_run_s_losses(option, baseline, model_dir, tq_plane, tmp_path):
     """The first step sees the same samples, so its losses must agree to float tolerance."""
