@@ -100,10 +100,11 @@ class ActorWorker(TrainerMixin):
             self.model.load_state_dict(policy_weights["state"])
             self.policy_version = int(policy_weights["policy_version"])
 
-    def _weights(self, step: int) -> dict[str, Any]:
-        """The policy_weights state column: the weights, their version, and the step that wrote them."""
+    def _weights(self, step: int, with_state: bool = True) -> dict[str, Any]:
+        """The policy_weights state column: the weights (none when no other worker takes them), their
+        version, and the step that wrote them."""
         return {"step": step, "policy_version": self.policy_version, "owner": self.id,
-                "state": self._policy_state()}
+                "state": self._policy_state() if with_state else {}}
 
     def _policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the base model's names (LoRA: merged, computed on the side), in
@@ -386,9 +387,8 @@ class ActorWorker(TrainerMixin):
         self.policy_version += 1  # the engine (if any) is given these weights before it generates again
         # weights only where another worker takes them: this group's ranks hold the same ones already (a LoRA
         # policy's merged copy would be a whole model more in memory)
-        weights = self._weights(ctx.step) if "policy_weights" in ctx.exported else \
-            {"step": ctx.step, "policy_version": self.policy_version, "owner": self.id, "state": {}}
-        return {"actor_metrics": metrics, "policy_weights": weights}
+        return {"actor_metrics": metrics,
+                "policy_weights": self._weights(ctx.step, with_state="policy_weights" in ctx.exported)}
 
     def _staleness(self, policy_version: torch.Tensor | None, policy_version_end: torch.Tensor | None,
                    ctx: Any) -> dict[str, float]:
