@@ -341,6 +341,10 @@ class TeacherSettings(ForwardSettings):
     reverse KL of the two models' own distributions); the vllm backend takes 1 only"""
     gpu_memory_utilization: float = Field(0.3, ge=0.0, json_schema_extra=SETUP)
     """vllm on a GPU: share of its memory the teacher's engine may take"""
+    top_k: int = Field(0, ge=0, json_schema_extra=SETUP)
+    """also write the teacher's k most likely next tokens at every response position and their log-probs
+    (teacher_topk_ids, teacher_topk_log_probs) for the update's dense distillation loss (actor.distill_coef);
+    a k at or above the vocabulary size is the whole distribution; hf backend only; 0: off"""
 
 
 class ValuesSettings(ForwardSettings):
@@ -384,6 +388,9 @@ class AlgorithmSettings(Section):
     distill_task_weight: float = Field(0.0, ge=0.0)
     """estimator=distill: add this weight times the task reward's GRPO advantage (group-normalised score) to the
     per-token reverse-KL advantage; 0: distillation alone"""
+    distill_kl_weight: float = Field(1.0, ge=0.0)
+    """estimator=distill: the weight of the per-token reverse-KL advantage (log p_teacher - log p_student of the
+    sampled token); 0 leaves the teacher's signal to the update's dense loss (actor.distill_coef)"""
 
 
 class UpdateSettings(Section):
@@ -508,6 +515,13 @@ class ActorSettings(UpdateSettings):
     """decoupled PPO (AReaL) for off-policy samples: clip the ratio against old_log_probs (the proximal policy,
     recomputed by the current one) and weight each token by exp(old_log_probs - rollout_log_probs), dropping
     tokens whose weight exceeds this cap (> 1; AReaL uses 5); 0: off"""
+    distill_coef: float = Field(0.0, ge=0.0)
+    """on-policy distillation's dense loss (GKD): add this weight times the divergence between the student's and
+    the teacher's next-token distributions at every response token, over the teacher's top-k tokens plus the
+    rest of the vocabulary as one outcome; needs stages.teacher_logprob() with teacher.top_k > 0; 0: off"""
+    distill_beta: float = Field(0.5, ge=0.0, le=1.0)
+    """the divergence of distill_coef, as TRL's GKD beta: 0 forward KL(teacher || student), 1 reverse
+    KL(student || teacher), between: the generalised Jensen-Shannon divergence JSD_beta"""
     packing: bool = Field(False, json_schema_extra=SETUP)
     """padding-free forward and backward passes of the policy (update, old_logprob, ref): a micro-batch's samples
     end to end in one row, positions restarting per sample, attention kept within each; no padding token is

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from rlgraph.errors import DeclarationError, Problem
-from rlgraph.graph.columns import ColumnType, T
+from rlgraph.graph.columns import ANY_DIM, ColumnType, T
 from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
 from rlgraph.graph.settings import params_of
@@ -81,6 +81,10 @@ COLUMNS: Mapping[str, ColumnType] = MappingProxyType({
     "entropy": T.float32(R, doc="per-token entropy of the current policy"),
     "ref_log_prob": T.float32(R, doc="log-probs of responses under the frozen reference"),
     "teacher_log_probs": T.float32(R, doc="log-probs of the responses' tokens under the distillation teacher"),
+    "teacher_topk_ids": T.int64(R, ANY_DIM, doc="the teacher's teacher.top_k most likely next tokens at each "
+                                "response position"),
+    "teacher_topk_log_probs": T.float32(R, ANY_DIM, doc="their log-probs under the teacher (normalised over the "
+                                        "whole vocabulary)"),
     "old_logprob_metrics": T.json().metric(),
     "values": T.float32(R, doc="critic values per response token"),
     # advantage
@@ -459,7 +463,7 @@ def teacher_logprob(group: str = "teacher", **changes: Any) -> OpSpec:
     """Log-probs of the student's sampled tokens under a teacher (on-policy distillation): a transformers
     forward on its own worker group (or the actor's, colocated), or a vLLM engine's prompt log-probs.
     Streams per finished group, as ``ref`` does. The teacher must share the student's tokenizer."""
-    return _forward(TeacherSettings, ("teacher_log_probs",), group,
+    return _forward(TeacherSettings, ("teacher_log_probs", "teacher_topk_ids", "teacher_topk_log_probs"), group,
                     "rlgraph.ops.train.teacher:TeacherWorker.compute_teacher_log_prob", None,
                     "Forward pass of the distillation teacher on the student's responses.").with_(
         validate=_validate_teacher).with_(**changes)
@@ -472,6 +476,11 @@ def _validate_teacher(params: Mapping[str, Any], connected: frozenset[str],
         out.append(Problem("op-config", "teacher_logprob has no teacher: teacher.model_path is empty",
                            "set teacher.model_path to a local Hugging Face model directory with the student's "
                            "tokenizer"))
+    if params.get("backend") == "vllm" and params.get("top_k"):
+        out.append(Problem("op-config", f"teacher.top_k={params.get('top_k')} needs the teacher's whole next-token "
+                           "distribution, which the vllm backend does not give (its prompt log-probs are of the "
+                           "given tokens)", "set teacher.backend=hf, or teacher.top_k=0 (the sampled tokens' "
+                           "log-probs only)"))
     if params.get("backend") == "vllm" and params.get("temperature") != 1.0:
         out.append(Problem("op-config", f"teacher.backend=vllm scores at temperature 1 only, but "
                            f"teacher.temperature={params.get('temperature')}",
@@ -496,7 +505,8 @@ def values(group: str = "critic", **changes: Any) -> OpSpec:
 
 
 def _validate_advantage(granularity: str):
-    def validate(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+    def validate(params: Mapping[str, Any], connected: frozenset[str],
+                 config: Mapping[str, Any] | None = None) -> list[Problem]:
         out: list[Problem] = []
         est = params.get("estimator")
         if est in ESTIMATOR_NEEDS:
@@ -517,9 +527,18 @@ def _validate_advantage(granularity: str):
                 if col not in connected:
                     out.append(Problem("op-config", f"algorithm.estimator='distill' needs column {col!r}, which no "
                                        f"op produces", f"add {stage} to the pipeline", column=col))
+            if (config is not None and not params.get("distill_kl_weight") and not params.get("distill_task_weight")
+                    and not config.get("actor.distill_coef")):
+                out.append(Problem("op-config", "algorithm.distill_kl_weight=0 and algorithm.distill_task_weight=0 "
+                                   "make every advantage 0, and actor.distill_coef=0 adds no distillation loss: the "
+                                   "student would learn nothing", "set actor.distill_coef > 0 (with teacher.top_k), "
+                                   "or algorithm.distill_kl_weight > 0"))
         elif params.get("distill_task_weight"):
             out.append(Problem("op-config", f"algorithm.distill_task_weight is set, but algorithm.estimator={est!r}",
                                "declare stages.advantage('distill'), or leave algorithm.distill_task_weight at 0"))
+        elif params.get("distill_kl_weight") not in (None, 1.0):
+            out.append(Problem("op-config", f"algorithm.distill_kl_weight is set, but algorithm.estimator={est!r}",
+                               "declare stages.advantage('distill'), or leave algorithm.distill_kl_weight at 1"))
         if params.get("use_kl_in_reward"):
             for col in ("old_log_probs", "ref_log_prob"):
                 if col not in connected:
@@ -602,8 +621,19 @@ def _validate_engine(ns: str, params: Mapping[str, Any]) -> list[Problem]:
     return out
 
 
-def _validate_actor(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
+def _validate_actor(params: Mapping[str, Any], connected: frozenset[str],
+                    config: Mapping[str, Any] | None = None) -> list[Problem]:
     out = _validate_engine("actor", params)
+    if params.get("distill_coef"):
+        if "teacher_topk_log_probs" not in connected:
+            out.append(Problem("op-config", "actor.distill_coef > 0 needs the teacher's top-k distribution "
+                               "(teacher_topk_ids, teacher_topk_log_probs), which no op produces",
+                               "add stages.teacher_logprob() with teacher.top_k > 0, or set actor.distill_coef=0",
+                               column="teacher_topk_log_probs"))
+        elif config is not None and not config.get("teacher.top_k"):
+            out.append(Problem("op-config", "actor.distill_coef > 0, but teacher.top_k=0: the teacher writes no "
+                               "distribution to distil", "set teacher.top_k (e.g. 64; at or above the vocabulary "
+                               "size it is the whole distribution), or actor.distill_coef=0"))
     if params.get("lora_rank") and not params.get("lora_alpha"):
         out.append(Problem("op-config", "actor.lora_alpha=0 makes the LoRA adapters add nothing",
                            "set actor.lora_alpha > 0 (commonly 2 x actor.lora_rank)"))
@@ -639,6 +669,8 @@ def _actor_uses(params: Mapping[str, Any]) -> set[str]:
         used.add("ref_log_prob")
     if params.get("tis_cap") or params.get("decoupled_cap"):
         used.add("rollout_log_probs")
+    if params.get("distill_coef"):
+        used |= {"teacher_topk_ids", "teacher_topk_log_probs"}
     return used
 
 
@@ -647,12 +679,14 @@ def update_actor(group: str = "actor", **changes: Any) -> OpSpec:
     return OpSpec(
         name="update_actor",
         inputs=_cols(*_MODEL_INPUTS, "response_mask", "old_log_probs", "advantages", "ref_log_prob",
-                     "rollout_log_probs", "policy_version", "policy_version_end"),
+                     "rollout_log_probs", "policy_version", "policy_version_end", "teacher_topk_ids",
+                     "teacher_topk_log_probs"),
         outputs=_cols("actor_metrics", "policy_weights"),
         granularity="batch",
         group=group,
         config_key=ActorSettings.namespace,
-        optional_inputs={"old_log_probs", "ref_log_prob", "rollout_log_probs", "policy_version", "policy_version_end"},
+        optional_inputs={"old_log_probs", "ref_log_prob", "rollout_log_probs", "policy_version", "policy_version_end",
+                         "teacher_topk_ids", "teacher_topk_log_probs"},
         params=params_of(ActorSettings),
         impl="rlgraph.ops.train.actor:ActorWorker.update_actor",
         recomputes=_actor_recomputes,

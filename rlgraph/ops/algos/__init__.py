@@ -26,6 +26,7 @@ from rlgraph.ops.algos.core import (
     masked_var,
     masked_whiten,
 )
+from rlgraph.ops.algos.distill import generalized_jsd, top_k_distill_loss, with_tail
 from rlgraph.ops.algos.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -54,6 +55,9 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageResult",
     "distill_advantages",
+    "generalized_jsd",
+    "top_k_distill_loss",
+    "with_tail",
     "FixedKLController",
     "KLPenaltyResult",
     "PolicyLossResult",

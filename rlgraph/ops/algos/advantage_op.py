@@ -37,7 +37,8 @@ class AdvantageWorker:
                           teacher_log_probs: torch.Tensor | None = None, *,
                           estimator: str, gamma: float, lam: float, norm_adv_by_std: bool, use_kl_in_reward: bool,
                           kl_penalty: str, kl_coef: float, kl_ctrl: str, kl_target: float, kl_horizon: int,
-                          distill_task_weight: float = 0.0, ctx: Any) -> dict[str, Any]:
+                          distill_task_weight: float = 0.0, distill_kl_weight: float = 1.0,
+                          ctx: Any) -> dict[str, Any]:
         R = token_level_scores.shape[1]
         mask = response_mask[:, :R].float() * (~is_padding.bool()).unsqueeze(1).float()
         metrics: dict[str, float] = {}
@@ -56,7 +57,7 @@ class AdvantageWorker:
         distill = {}
         if estimator == "distill":
             distill = dict(student_log_probs=old_log_probs[:, :R], teacher_log_probs=teacher_log_probs[:, :R],
-                           distill_task_weight=distill_task_weight)
+                           distill_task_weight=distill_task_weight, distill_kl_weight=distill_kl_weight)
             reverse_kl = (old_log_probs[:, :R].float() - teacher_log_probs[:, :R].float()) * mask
             metrics["reverse_kl/mean"] = float(masked_mean(reverse_kl, mask))  # per token, on the student's samples
         res = compute_advantage(estimator, rewards, mask, uid.long(),

@@ -211,7 +211,7 @@ def reinforce_pp_baseline_advantages(
 
 def distill_advantages(student_log_probs: Tensor, teacher_log_probs: Tensor, response_mask: Tensor,
                        token_level_rewards: Tensor | None = None, uid: Tensor | None = None, task_weight: float = 0.0,
-                       norm_adv_by_std: bool = True) -> AdvantageResult:
+                       norm_adv_by_std: bool = True, kl_weight: float = 1.0) -> AdvantageResult:
     """On-policy distillation: the student samples, the teacher scores each sampled token, and the
     token's advantage is minus the per-token reverse KL (the single-sample estimate on the student's
     own token, with no discounting between tokens):
@@ -222,9 +222,11 @@ def distill_advantages(student_log_probs: Tensor, teacher_log_probs: Tensor, res
     Thinking Machines Lab 2025, "On-Policy Distillation", which trains on exactly this advantage with
     the importance-sampled policy-gradient loss). `student_log_probs` are the sampling policy's
     (old_log_probs). With `task_weight` > 0, GRPO's group-normalised task advantage (from
-    `token_level_rewards` and `uid`) is added, times the weight. Returns equal the advantages."""
+    `token_level_rewards` and `uid`) is added, times the weight. `kl_weight` scales the reverse-KL
+    term (0: the teacher's signal comes from the update's dense loss instead, `algos.distill`).
+    Returns equal the advantages."""
     mask = response_mask.to(student_log_probs.dtype)
-    adv = (teacher_log_probs.float() - student_log_probs.float()) * mask
+    adv = kl_weight * (teacher_log_probs.float() - student_log_probs.float()) * mask
     if task_weight:
         if token_level_rewards is None or uid is None:
             raise ValueError("distill_advantages with task_weight > 0 needs token_level_rewards and uid")
@@ -246,6 +248,7 @@ def compute_advantage(
     student_log_probs: Tensor | None = None,
     teacher_log_probs: Tensor | None = None,
     distill_task_weight: float = 0.0,
+    distill_kl_weight: float = 1.0,
 ) -> AdvantageResult:
     """Dispatch on the estimator name (`algorithm.adv_estimator` in the config).
 
@@ -273,5 +276,5 @@ def compute_advantage(
                 raise ValueError("compute_advantage: estimator 'distill' needs student_log_probs (old_log_probs) "
                                  "and teacher_log_probs (stages.teacher_logprob)")
             return distill_advantages(student_log_probs, teacher_log_probs, response_mask, token_level_rewards, uid,
-                                      distill_task_weight, norm_adv_by_std)
+                                      distill_task_weight, norm_adv_by_std, distill_kl_weight)
     raise ConfigError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")

@@ -27,13 +27,13 @@ import torch
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import (agg_loss, decoupled_weights, gspo_policy_loss, kl_loss, masked_mean, policy_loss,
-                               rollout_probs_diff, truncated_is_weights)
+                               rollout_probs_diff, top_k_distill_loss, truncated_is_weights)
 from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
 from rlgraph.ops.train.engine.balance import balance_across_ranks
 from rlgraph.ops.train.engine.base import load_model_state, model_state
-from rlgraph.ops.train.logprobs import enable_token_logprobs, score_rows, scored
+from rlgraph.ops.train.logprobs import Scores, enable_token_logprobs, score_rows, scored
 from rlgraph.ops.train.lora import adapters_disabled, apply_lora, has_lora, merged_weights
 from rlgraph.ops.train.sequences import Packed, repack
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
@@ -239,9 +239,11 @@ class ActorWorker(TrainerMixin):
 
     # ------------------------------------------------------------------ forward passes
     def _scored(self, model: Any, packed: Packed, with_entropy: bool, loss_mask: torch.Tensor | None = None,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of `packed`'s responses, ``[b, R]``, on the model's device."""
-        return scored(model, packed, self.temperature, self.chunk, self.packing, with_entropy, loss_mask, device)
+                device: torch.device | None = None, at_ids: torch.Tensor | None = None) -> Scores:
+        """Log-probs (and entropy; with `at_ids` ``[b, R, k]``, the log-probs of those ids) of `packed`'s
+        responses, ``[b, R]``, on the model's device."""
+        return scored(model, packed, self.temperature, self.chunk, self.packing, with_entropy, loss_mask, device,
+                      at_ids=at_ids)
 
     def _log_probs(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    ctx: Any, with_entropy: bool, budget: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -288,13 +290,14 @@ class ActorWorker(TrainerMixin):
                      responses: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
                      old_log_probs: torch.Tensor | None = None, ref_log_prob: torch.Tensor | None = None,
                      rollout_log_probs: torch.Tensor | None = None, policy_version: torch.Tensor | None = None,
-                     policy_version_end: torch.Tensor | None = None, *, lr: float,
+                     policy_version_end: torch.Tensor | None = None, teacher_topk_ids: torch.Tensor | None = None,
+                     teacher_topk_log_probs: torch.Tensor | None = None, *, lr: float,
                      weight_decay: float, grad_clip: float, lr_warmup_steps: int, backend: str, zero_stage: int,
                      loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                      loss_mode: str,
                      entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
                      tis_cap: float, decoupled_cap: float, max_tokens_per_micro_batch: int = 0,
-                     ctx: Any) -> dict[str, Any]:
+                     distill_coef: float = 0.0, distill_beta: float = 0.5, ctx: Any) -> dict[str, Any]:
         if self.rollout_engine is not None:
             self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
         staleness = self._staleness(policy_version, policy_version_end, ctx)
@@ -304,7 +307,9 @@ class ActorWorker(TrainerMixin):
                 "advantages": advantages, "kept": kept_rows(ctx)[:, 0],
                 "response_len": torch.as_tensor(list(ctx.lengths["response_len"]), dtype=torch.long)}
         for name, col in (("old_log_probs", old_log_probs), ("ref_log_prob", ref_log_prob if use_kl_loss else None),
-                          ("rollout_log_probs", rollout_log_probs if tis_cap > 0 or decoupled_cap > 0 else None)):
+                          ("rollout_log_probs", rollout_log_probs if tis_cap > 0 or decoupled_cap > 0 else None),
+                          ("teacher_topk_ids", teacher_topk_ids if distill_coef else None),
+                          ("teacher_topk_log_probs", teacher_topk_log_probs if distill_coef else None)):
             if col is not None:
                 rows[name] = col
         if max_tokens_per_micro_batch and ctx.dp > 1:  # every rank about the same tokens: none waits at the all-reduces
@@ -331,6 +336,9 @@ class ActorWorker(TrainerMixin):
                           f"step; its own forward gives them only for one. Add stages.old_logprob() to the pipeline")
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
+        if distill_coef:  # the teacher's top-k next tokens and their log-probs, [rows, R, k]
+            batch["teacher_topk_ids"] = rows["teacher_topk_ids"][:, :R].long()
+            batch["teacher_topk_log_probs"] = rows["teacher_topk_log_probs"][:, :R].float()
         if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
         if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
@@ -343,8 +351,9 @@ class ActorWorker(TrainerMixin):
 
         def loss_fn(model, mb, global_tokens, global_seqs):
             micro = Packed(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["real_mask"], P, R)
-            logp, ent_mat = self._scored(model, micro, bool(entropy_coeff), loss_mask=mb["response_mask"],
-                                         device=device)
+            s = self._scored(model, micro, bool(entropy_coeff), loss_mask=mb["response_mask"], device=device,
+                             at_ids=mb.get("teacher_topk_ids"))
+            logp, ent_mat = s.logp, s.entropy
             # one optimizer step per training step: the weights are still the old policy's, so this forward
             # is the old log-probs (rlgraph.graph.reuse left the separate pass out)
             old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
@@ -376,6 +385,11 @@ class ActorWorker(TrainerMixin):
                 loss = loss + kl_loss_coef * kl
                 metrics["kl_loss"] = float(kl_loss(logp.detach(), mb["ref_log_prob"], m, kl_loss_type,
                                                    loss_agg_mode))
+            if distill_coef and s.side_logp is not None:  # GKD: the divergence to the teacher's distribution
+                dl, per_token = top_k_distill_loss(s.side_logp, mb["teacher_topk_log_probs"].to(s.side_logp.device),
+                                                   m, distill_beta, loss_agg_mode, global_tokens, global_seqs)
+                loss = loss + distill_coef * dl
+                metrics["distill_loss"] = float(agg_loss(per_token.detach(), m, loss_agg_mode))
             return loss, metrics
 
         metrics = self.train(self.model, batch, loss_fn, ctx, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,

@@ -11,7 +11,10 @@ Backends (``teacher.backend``): ``hf``, a transformers forward with the policy's
 (``actor.logprob_chunk_size``, the packed layout with ``actor.packing``) in bfloat16 on a GPU; or
 ``vllm``, a vLLM engine per rank that scores prompt + response as one prompt and returns its
 prompt log-probs (the teacher's log-prob of every token given those before it), started on the
-first call. The result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response.
+first call. The result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response. With ``teacher.top_k``
+(hf), the same pass also writes each position's k most likely tokens and their log-probs
+(``teacher_topk_ids``, ``teacher_topk_log_probs``, ``[rows, R, k]``) for the update's dense
+distillation loss (``actor.distill_coef``, `rlgraph.ops.algos.distill`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from rlgraph.errors import ConfigError
 from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
 from rlgraph.ops.settings import ActorSettings, RolloutSettings, TeacherSettings
 from rlgraph.ops.tokenizers import tokenizer_mismatch
-from rlgraph.ops.train.logprobs import enable_token_logprobs, score_rows
+from rlgraph.ops.train.logprobs import enable_token_logprobs, score_rows_top_k
 
 __all__ = ["TeacherWorker", "TeacherError"]
 
@@ -45,7 +48,7 @@ class TeacherWorker:
             raise TeacherError(f"the teacher {teacher.model_path!r} and the student {student!r} tokenize differently: "
                                f"{why}; distil from a teacher with the student's tokenizer")
         self.path, self.backend = teacher.model_path, teacher.backend
-        self.temperature = teacher.temperature
+        self.temperature, self.top_k = teacher.temperature, teacher.top_k
         self.chunk, self.packing = actor.logprob_chunk_size, actor.packing
         self.gpu_memory_utilization = teacher.gpu_memory_utilization
         self.seed = int(ctx.seed)
@@ -63,10 +66,21 @@ class TeacherWorker:
                                  max_tokens_per_micro_batch: int = 0, ctx: Any) -> dict[str, Any]:
         resp = list(ctx.lengths["response_len"])
         if self.backend == "vllm":
-            return {"teacher_log_probs": self._vllm(input_ids, attention_mask, resp, ctx.rank)}
-        logp, _ = score_rows(self.model, input_ids, attention_mask, resp, self.tokenizer.pad_token_id,
-                             self.temperature, self.chunk, self.packing, max_tokens_per_micro_batch)
-        return {"teacher_log_probs": logp}
+            logp = self._vllm(input_ids, attention_mask, resp, ctx.rank)
+            return {"teacher_log_probs": logp, **self._no_top_k(logp)}
+        s = score_rows_top_k(self.model, input_ids, attention_mask, resp, self.tokenizer.pad_token_id,
+                             self.temperature, self.chunk, self.packing, max_tokens_per_micro_batch,
+                             top_k=self.top_k)
+        if s.side_logp is None or s.side_ids is None:
+            return {"teacher_log_probs": s.logp, **self._no_top_k(s.logp)}
+        return {"teacher_log_probs": s.logp, "teacher_topk_ids": s.side_ids, "teacher_topk_log_probs": s.side_logp}
+
+    @staticmethod
+    def _no_top_k(logp: torch.Tensor) -> dict[str, torch.Tensor]:
+        """teacher.top_k=0: empty top-k columns (nothing reads them then: the compiler keeps them out of the
+        data plane)."""
+        return {"teacher_topk_ids": torch.zeros((*logp.shape, 0), dtype=torch.long),
+                "teacher_topk_log_probs": torch.zeros((*logp.shape, 0))}
 
     def _vllm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp: list[int], rank: int) -> torch.Tensor:
         from rlgraph.ops.rollout.vllm_engine import VLLMEngine

@@ -220,5 +220,12 @@ def test_distill_by_hand():
                               teacher_log_probs=teacher, distill_task_weight=0.5)
     g = 0.5 / (2 ** -0.5 + 1e-6) * 0.5
     torch.testing.assert_close(mixed.advantages, torch.tensor([[0.5 + g, g, -1.0 + g], [-1.0 - g, 3.0 - g, 0.0]]))
+    # the reverse-KL term weighted (0: the teacher's signal is the update's dense loss, only the task's is left)
+    task_only = compute_advantage("distill", rewards, mask, torch.tensor([0, 0]), student_log_probs=student,
+                                  teacher_log_probs=teacher, distill_task_weight=0.5, distill_kl_weight=0.0)
+    torch.testing.assert_close(task_only.advantages, torch.tensor([[g, g, g], [-g, -g, 0.0]]))
+    half = compute_advantage("distill", rewards * 0, mask, torch.tensor([0, 0]), student_log_probs=student,
+                             teacher_log_probs=teacher, distill_kl_weight=0.5)
+    torch.testing.assert_close(half.advantages, torch.tensor([[0.25, 0.0, -0.5], [-0.5, 1.5, 0.0]]))
     with pytest.raises(ValueError, match="needs student_log_probs"):
         compute_advantage("distill", rewards, mask, torch.tensor([0, 0]))

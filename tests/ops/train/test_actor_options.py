@@ -186,3 +186,38 @@ def test_gradient_checkpointing_recomputes_without_changing_the_gradient(model_d
     assert m_ckpt["loss"] == pytest.approx(m_plain["loss"], rel=1e-6)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_dense_distillation_loss_is_gkd_s_divergence_to_the_teacher(model_dir, tmp_path, packing):
+    """actor.distill_coef: with zero advantages the update's loss is the token-mean JSD_beta between the
+    student's next-token distributions (before the step) and the teacher's top-k plus tail, as worked
+    from the two models' full logits; and it moves the student towards the teacher."""
+    from rlgraph.ops.algos import top_k_distill_loss
+    from rlgraph.ops.train.sequences import repack, response_logits
+
+    teacher = load_causal_lm(build_tiny_model(tmp_path / "teacher", seed=9, hidden_size=32))
+    cols = batch()
+    cols["advantages"] = torch.zeros_like(cols["advantages"])
+    packed = repack(cols["input_ids"], cols["attention_mask"], RESPONSES, 0)
+    with torch.no_grad():
+        t_full = response_logits(teacher, packed, 1.0).log_softmax(-1)
+        s_full = response_logits(load_causal_lm(model_dir), packed, 1.0).log_softmax(-1)
+    top_lp, top_ids = t_full.topk(6, dim=-1)
+    R = cols["response_mask"].shape[1]
+    pad = R - top_ids.shape[1]  # the stored columns are as wide as the response mask
+    top_ids, top_lp = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (top_ids, top_lp))
+    mask = cols["response_mask"].float()
+    mask[-1] = 0  # the last row is padding (ctx_for)
+    want, _ = top_k_distill_loss(s_full.gather(-1, top_ids[:, :s_full.shape[1]]), top_lp[:, :s_full.shape[1]],
+                                 mask[:, :s_full.shape[1]], beta=0.3)
+    options = dict(packing=True, logprob_chunk_size=5) if packing else {}
+    w = worker(model_dir, **options)
+    update_args = {**UPDATE, "entropy_coeff": 0.0, "use_kl_loss": False, "lr": 1e-3}
+    out = w.update_actor(**cols, teacher_topk_ids=top_ids, teacher_topk_log_probs=top_lp, distill_coef=2.0,
+                         distill_beta=0.3, ctx=ctx_for(model_dir, **options), **update_args)["actor_metrics"]
+    assert out["loss"] == pytest.approx(2.0 * float(want), rel=1e-5)
+    assert out["pg_loss"] == 0.0 and out["distill_loss"] > 0
+    after = w.update_actor(**cols, teacher_topk_ids=top_ids, teacher_topk_log_probs=top_lp, distill_coef=2.0,
+                           distill_beta=0.3, ctx=ctx_for(model_dir, **options), **update_args)["actor_metrics"]
+    assert after["loss"] < out["loss"]  # one step towards the teacher

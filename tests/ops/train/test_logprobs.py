@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from rlgraph.ops.algos import entropy_from_logits, logprobs_from_logits
 from rlgraph.ops.train.logprobs import (enable_token_logprobs, fused_supported, packed_layout, padded_layout,
-                                        response_logprobs)
+                                        response_logprobs, response_scores)
 from rlgraph.ops.train.sequences import repack, response_logits
 
 V = 40
@@ -52,6 +52,41 @@ def test_both_layouts_equal_the_full_logits(arch, chunk):
         assert logp.shape == ref_logp.shape
         if name == "packed":  # nothing computed past a response (padded: computed, and masked by the caller)
             assert bool((logp[packed.response_mask == 0] == 0).all())
+
+
+@pytest.mark.parametrize("softcap", [False, True])
+@pytest.mark.parametrize("chunk", [2, 0])
+def test_top_k_and_the_log_probs_of_given_ids_are_the_full_distribution_s(chunk, softcap):
+    """A teacher's top-k (ids and log-probs) and a student's log-probs at those ids, from the same logits
+    block, in both layouts and on the full-logits path; the student's gradient as the full logits give it."""
+    m = model()
+    if softcap:
+        m.config.final_logit_softcapping = 30.0
+    enable_token_logprobs(m)
+    packed = rows()
+    full = response_logits(m, packed, 0.7).log_softmax(-1)  # [b, R, V]
+    want_lp, want_ids = full.topk(5, dim=-1)
+    mask = packed.response_mask.bool()
+    for layout in (padded_layout(packed), packed_layout(packed)):
+        with torch.no_grad():
+            s = response_scores(m, layout, 0.7, chunk, top_k=5)
+        assert s.side_logp.shape == s.side_ids.shape == (*packed.response_mask.shape, 5)
+        assert torch.equal(s.side_ids[mask], want_ids[mask])
+        torch.testing.assert_close(s.side_logp[mask], want_lp[mask].detach(), atol=2e-6, rtol=1e-5)
+        assert response_scores(m, layout, 0.7, chunk, top_k=V + 10).side_ids.shape[-1] == V  # k past the vocabulary
+    ids = torch.randint(0, V, (*packed.response_mask.shape, 3), generator=torch.Generator().manual_seed(4))
+    at = response_scores(m, packed_layout(packed), 0.7, chunk, at_ids=ids).side_logp
+    assert at.requires_grad and at.shape == ids.shape
+    torch.testing.assert_close(at[mask], full.gather(-1, ids)[mask], atol=2e-6, rtol=1e-5)
+    # gradients: the chunked (checkpointed) path and the full logits agree
+    weights = torch.randn(at.shape, generator=torch.Generator().manual_seed(5)) * mask[..., None]
+    grads = []
+    for value in (at, full.gather(-1, ids)):
+        m.zero_grad()
+        (value * weights).sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_packed_layout_computes_only_real_tokens_with_positions_restarting():

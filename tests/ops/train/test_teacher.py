@@ -65,23 +65,24 @@ def _rows(seed=0):
     return ids, mask, responses
 
 
-def _teacher(models, backend="hf"):
+def _teacher(models, backend="hf", **teacher):
     from rlgraph.ops.train.teacher import TeacherWorker
 
     ctx = OpContext(op="teacher", group="teacher", rank=0, dp=1, step=0, chunk=0, seed=0, rows=(0, 1, 2),
                     is_padding=(False,) * 3, config={"actor": {"model_path": models["student"]},
-                                                     "teacher": {"model_path": models["teacher"], "backend": backend}})
+                                                     "teacher": {"model_path": models["teacher"], "backend": backend,
+                                                                 **teacher}})
     w = TeacherWorker()
     w.setup(ctx)
     return w
 
 
-def _score(w, ids, mask, responses):
+def _score(w, ids, mask, responses, column="teacher_log_probs"):
     ctx = OpContext(op="teacher", group="teacher", rank=0, dp=1, step=0, chunk=0, seed=0, rows=(0, 1, 2),
                     is_padding=(False,) * 3, lengths={"response_len": tuple(responses)})
     R = max(responses)
-    return w.compute_teacher_log_prob(ids, mask, mask.cumsum(1) - 1, ids[:, :R], mask[:, :R], ctx=ctx)[
-        "teacher_log_probs"]
+    out = w.compute_teacher_log_prob(ids, mask, mask.cumsum(1) - 1, ids[:, :R], mask[:, :R], ctx=ctx)
+    return out[column] if isinstance(column, str) else [out[c] for c in column]
 
 
 def test_teacher_log_probs_are_the_teacher_model_s(models):
@@ -96,6 +97,51 @@ def test_teacher_log_probs_are_the_teacher_model_s(models):
         want = torch.stack([logp[p - 1 + t, ids[i, p + t]] for t in range(r)]) if r else torch.zeros(0)
         torch.testing.assert_close(got[i, :r], want, atol=1e-5, rtol=1e-5)
         assert bool((got[i, r:] == 0).all())
+
+
+def test_teacher_top_k_is_the_teacher_model_s_most_likely_tokens(models):
+    ids, mask, responses = _rows()
+    lp, top_ids, top_lp = _score(_teacher(models, top_k=4), ids, mask, responses,
+                                 ("teacher_log_probs", "teacher_topk_ids", "teacher_topk_log_probs"))
+    torch.testing.assert_close(lp, _score(_teacher(models), ids, mask, responses))
+    assert top_ids.shape == top_lp.shape == (3, max(responses), 4) and top_ids.dtype == torch.long
+    teacher = load_causal_lm(models["teacher"])
+    for i, r in enumerate(responses):
+        n, p = int(mask[i].sum()), int(mask[i].sum()) - r
+        with torch.no_grad():
+            logp = teacher(input_ids=ids[i:i + 1, :n]).logits[0].log_softmax(-1)[p - 1:n - 1]  # predicts the response
+        want_lp, want_ids = logp.topk(4, dim=-1)
+        assert torch.equal(top_ids[i, :r], want_ids)
+        torch.testing.assert_close(top_lp[i, :r], want_lp, atol=1e-5, rtol=1e-5)
+        assert bool((top_lp[i, r:] == 0).all()) and bool((top_ids[i, r:] == 0).all())
+    # without top_k the columns are empty (and pruned from the data plane: nothing reads them)
+    assert _score(_teacher(models), ids, mask, responses, "teacher_topk_ids").shape == (3, max(responses), 0)
+
+
+def test_the_dense_distillation_loss_is_checked_at_compile_time(models):
+    paths = {"actor": {"model_path": models["student"]}, "teacher": {"model_path": models["teacher"]}}
+    with pytest.raises(PipelineError, match=r"(?s)actor.distill_coef > 0, but teacher.top_k=0.*set teacher.top_k"):
+        rlgraph.compile(distill(actor={**paths["actor"], "distill_coef": 1.0}, teacher=paths["teacher"]))
+    with pytest.raises(PipelineError, match=r"(?s)teacher.top_k=8 needs the teacher's whole next-token distribution"
+                                            r".*set teacher.backend=hf"):
+        rlgraph.compile(distill(**paths | {"teacher": {**paths["teacher"], "backend": "vllm", "top_k": 8}}))
+    with pytest.raises(PipelineError, match=r"(?s)make every advantage 0.*learn nothing"):
+        rlgraph.compile(distill(**paths, algorithm={"distill_kl_weight": 0.0}))
+    plan = rlgraph.compile(distill(actor={**paths["actor"], "distill_coef": 1.0},
+                                   teacher={**paths["teacher"], "top_k": 8}, algorithm={"distill_kl_weight": 0.0}))
+    assert plan.columns["teacher_topk_log_probs"].stored and "update_actor" in plan.columns[
+        "teacher_topk_ids"].consumers
+    plain = rlgraph.compile(distill(**paths))
+    assert not plain.columns["teacher_topk_ids"].stored  # nobody reads them: never put
+    no_teacher = Pipeline(
+        name="d", source=stages.prompt_source(),
+        ops=[stages.generate(), stages.reward(group="reward"), stages.advantage("grpo", group="adv"),
+             stages.update_actor()],
+        groups=[WorkerGroup("actor"), WorkerGroup("reward"), WorkerGroup("adv")],
+        cluster=Cluster(num_nodes=1, cpus_per_node=8), config={"actor": {**paths["actor"], "distill_coef": 0.5}})
+    with pytest.raises(PipelineError, match=r"(?s)needs the teacher's top-k distribution.*stages.teacher_logprob\(\) "
+                                            r"with teacher.top_k > 0"):
+        rlgraph.compile(no_teacher)
 
 
 def test_the_worker_refuses_another_tokenizer_at_start(models):
@@ -122,8 +168,9 @@ def test_a_vllm_teacher_gives_the_transformers_teacher_s_log_probs(models):
 
 @pytest.mark.ray
 def test_the_distill_example_streams_the_teacher_and_schedules_agree(models, tq_plane, tmp_path):
-    """examples/distill.py on Ray and TransferQueue: the teacher scores each group as it is generated, the
-    distillation advantage trains the student, and stream == sync (with the task reward mixed in)."""
+    """examples/distill.py on Ray and TransferQueue: the teacher scores each group as it is generated, its top-k
+    columns ([R, k] per sample) reach the update's dense loss through the data plane, and stream == sync (with
+    the task reward mixed in)."""
     import math
     from pathlib import Path
 
@@ -144,3 +191,4 @@ def test_the_distill_example_streams_the_teacher_and_schedules_agree(models, tq_
         assert math.isfinite(rec["advantage/advantage_metrics/reverse_kl/mean"])
         assert rec["load/teacher/rank_0/rows"] == 16 and rec["samples/trained"] == 16
         assert math.isfinite(rec["update_actor/actor_metrics/loss"])
+        assert rec["update_actor/actor_metrics/distill_loss"] > 0  # the example's GKD loss (teacher.top_k=64)
