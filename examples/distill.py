@@ -17,8 +17,7 @@ comparison (docs/examples.md has the chart over 3 seeds).
     rlgraph run examples/distill.py:grpo -o runs/distill_grpo                        # GRPO alone
     rlgraph run examples/distill.py -o runs/distill_sampled teacher.top_k=0 actor.distill_coef=0 \
         algorithm.distill_kl_weight=1          # the sampled-token reverse-KL advantage (Thinking Machines' recipe)
-    rlgraph run examples/distill.py -o runs/distill_vllm teacher.backend=vllm teacher.top_k=0 actor.distill_coef=0 \
-        algorithm.distill_kl_weight=1          # the teacher on vLLM (sampled-token log-probs only)
+    rlgraph run examples/distill.py -o runs/distill_vllm teacher.backend=vllm   # the teacher on vLLM
 """
 
 from rlgraph import Cluster, Pipeline, WorkerGroup

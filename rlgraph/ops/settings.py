@@ -344,7 +344,8 @@ class TeacherSettings(ForwardSettings):
     top_k: int = Field(0, ge=0, json_schema_extra=SETUP)
     """also write the teacher's k most likely next tokens at every response position and their log-probs
     (teacher_topk_ids, teacher_topk_log_probs) for the update's dense distillation loss (actor.distill_coef);
-    a k at or above the vocabulary size is the whole distribution; hf backend only; 0: off"""
+    a k at or above the vocabulary size is the whole distribution (vllm: its prompt log-probs' top-k, the engine's
+    max_logprobs raised to it); 0: off"""
 
 
 class ValuesSettings(ForwardSettings):

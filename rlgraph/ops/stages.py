@@ -476,11 +476,6 @@ def _validate_teacher(params: Mapping[str, Any], connected: frozenset[str],
         out.append(Problem("op-config", "teacher_logprob has no teacher: teacher.model_path is empty",
                            "set teacher.model_path to a local Hugging Face model directory with the student's "
                            "tokenizer"))
-    if params.get("backend") == "vllm" and params.get("top_k"):
-        out.append(Problem("op-config", f"teacher.top_k={params.get('top_k')} needs the teacher's whole next-token "
-                           "distribution, which the vllm backend does not give (its prompt log-probs are of the "
-                           "given tokens)", "set teacher.backend=hf, or teacher.top_k=0 (the sampled tokens' "
-                           "log-probs only)"))
     if params.get("backend") == "vllm" and params.get("temperature") != 1.0:
         out.append(Problem("op-config", f"teacher.backend=vllm scores at temperature 1 only, but "
                            f"teacher.temperature={params.get('temperature')}",

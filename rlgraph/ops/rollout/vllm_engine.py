@@ -84,13 +84,13 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, rank: int, dtype: str = "auto", max_model_len: int = 0,
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_gb: int = 1, enforce_eager: bool = True,
-                 seed: int = 0, sleep_mode: bool = False) -> None:
+                 seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 20) -> None:
         from pathlib import Path
 
         self.model_path, self.rank = str(Path(model_path).expanduser()), rank  # config paths often start with ~
         self.options = dict(dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                             cpu_kv_cache_gb=cpu_kv_cache_gb, enforce_eager=enforce_eager, seed=seed,
-                            sleep_mode=sleep_mode)
+                            sleep_mode=sleep_mode, max_logprobs=max_logprobs)
         self.sleep_mode = sleep_mode
         self.asleep = False
         self.llm: Any = None
@@ -129,7 +129,7 @@ class VLLMEngine:
                 model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=o["seed"],
                 max_model_len=o["max_model_len"] or None, enforce_eager=o["enforce_eager"],
                 gpu_memory_utilization=o["gpu_memory_utilization"], enable_sleep_mode=o["sleep_mode"] and not on_cpu,
-                logprobs_mode="processed_logprobs", disable_log_stats=True,
+                logprobs_mode="processed_logprobs", disable_log_stats=True, max_logprobs=o["max_logprobs"],
                 worker_extension_cls="rlgraph.ops.rollout.vllm_engine.WeightLoader",
             )
         except Exception as e:
@@ -247,12 +247,24 @@ class VLLMEngine:
         """Each sequence's log-prob of every token given the ones before it, at temperature 1 (the first
         token, with nothing before it, gets 0): the sequences go in as prompts with vLLM's prompt
         log-probs on and one token generated (a distillation teacher's scores)."""
+        return [lps for lps, _ in self.prompt_top_logprobs(sequences, 0)]
+
+    def vocab_size(self) -> int:
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    def prompt_top_logprobs(self, sequences: Sequence[Sequence[int]], top_k: int
+                            ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        """`prompt_logprobs`, and at every position the `top_k` most likely tokens given the ones before it
+        with their log-probs, most likely first (``(id, log-prob)`` pairs; none for the first token, which
+        nothing predicts). `top_k` is capped at the vocabulary size and must be within the engine's
+        ``max_logprobs``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not sequences:
             return []
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        k = min(top_k, self.vocab_size())
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, temperature=1.0, detokenize=False)
         try:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
                                      use_tqdm=False)
@@ -263,7 +275,12 @@ class VLLMEngine:
         result = []
         for seq, out in zip(sequences, outs):
             lps = out.prompt_logprobs or []
-            result.append([0.0] + [float(d[t].logprob) for d, t in zip(lps[1:], list(seq)[1:])])
+            scores = [0.0] + [float(d[t].logprob) for d, t in zip(lps[1:], list(seq)[1:])]
+            # each position's dict holds the k best (rank 1..k) and the given token (its own rank, maybe > k)
+            tops = [[] if d is None else [(int(t), float(v.logprob)) for t, v in
+                                          sorted(((t, v) for t, v in d.items() if v.rank is not None and v.rank <= k),
+                                                 key=lambda tv: tv[1].rank)] for d in lps] if k else []
+            result.append((scores, tops))
         return result
 
     def _labels(self, sample: Any) -> tuple[int, int]:

@@ -10,9 +10,9 @@ did not exist at compile time.
 Backends (``teacher.backend``): ``hf``, a transformers forward with the policy's chunked log-probs
 (``actor.logprob_chunk_size``, the packed layout with ``actor.packing``) in bfloat16 on a GPU; or
 ``vllm``, a vLLM engine per rank that scores prompt + response as one prompt and returns its
-prompt log-probs (the teacher's log-prob of every token given those before it), started on the
-first call. The result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response. With ``teacher.top_k``
-(hf), the same pass also writes each position's k most likely tokens and their log-probs
+prompt log-probs (the teacher's log-prob of every token given those before it, and with
+``teacher.top_k`` the k most likely tokens at each position), started on the first call. The result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response. With ``teacher.top_k``,
+the same pass also writes each position's k most likely tokens and their log-probs
 (``teacher_topk_ids``, ``teacher_topk_log_probs``, ``[rows, R, k]``) for the update's dense
 distillation loss (``actor.distill_coef``, `rlgraph.ops.algos.distill`).
 """
@@ -66,8 +66,10 @@ class TeacherWorker:
                                  max_tokens_per_micro_batch: int = 0, ctx: Any) -> dict[str, Any]:
         resp = list(ctx.lengths["response_len"])
         if self.backend == "vllm":
-            logp = self._vllm(input_ids, attention_mask, resp, ctx.rank)
-            return {"teacher_log_probs": logp, **self._no_top_k(logp)}
+            logp, top_ids, top_lp = self._vllm(input_ids, attention_mask, resp, ctx.rank)
+            if top_ids is None or top_lp is None:
+                return {"teacher_log_probs": logp, **self._no_top_k(logp)}
+            return {"teacher_log_probs": logp, "teacher_topk_ids": top_ids, "teacher_topk_log_probs": top_lp}
         s = score_rows_top_k(self.model, input_ids, attention_mask, resp, self.tokenizer.pad_token_id,
                              self.temperature, self.chunk, self.packing, max_tokens_per_micro_batch,
                              top_k=self.top_k)
@@ -82,22 +84,35 @@ class TeacherWorker:
         return {"teacher_topk_ids": torch.zeros((*logp.shape, 0), dtype=torch.long),
                 "teacher_topk_log_probs": torch.zeros((*logp.shape, 0))}
 
-    def _vllm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp: list[int], rank: int) -> torch.Tensor:
+    def _vllm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp: list[int], rank: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         from rlgraph.ops.rollout.vllm_engine import VLLMEngine
 
         if self.engine is None or self.engine.ensure_running():
             if self.engine is None:
                 self.engine = VLLMEngine(self.path, rank=rank, seed=self.seed,
-                                         gpu_memory_utilization=self.gpu_memory_utilization)
+                                         gpu_memory_utilization=self.gpu_memory_utilization,
+                                         max_logprobs=max(20, self.top_k))
         totals = attention_mask.sum(dim=1).tolist()
         seqs = [input_ids[i, :n].tolist() for i, n in enumerate(totals)]
-        out = torch.zeros((len(seqs), max(resp) if resp else 0))
+        R = max(resp) if resp else 0
+        out = torch.zeros((len(seqs), R))
+        k = min(self.top_k, self.engine.vocab_size()) if self.top_k else 0
+        top_ids = torch.zeros((len(seqs), R, k), dtype=torch.long) if k else None
+        top_lp = torch.zeros((len(seqs), R, k)) if k else None
         todo = [i for i, r in enumerate(resp) if r > 0]
-        scored = self.engine.prompt_logprobs([seqs[i] for i in todo])
-        for i, lps in zip(todo, scored):
+        scored = self.engine.prompt_top_logprobs([seqs[i] for i in todo], k)
+        for i, (lps, tops) in zip(todo, scored):
             p = totals[i] - resp[i]  # the response's first token is at position p; lps[k] scores token k
             out[i, :resp[i]] = torch.tensor(lps[p:p + resp[i]], dtype=torch.float32)
-        return out
+            if top_ids is not None and top_lp is not None:
+                for t in range(resp[i]):
+                    pairs = tops[p + t][:k]
+                    if len(pairs) < k:  # fewer than asked: the rest get no probability
+                        pairs = pairs + [(0, -1e4)] * (k - len(pairs))
+                    top_ids[i, t] = torch.tensor([tok for tok, _ in pairs])
+                    top_lp[i, t] = torch.tensor([lp for _, lp in pairs])
+        return out, top_ids, top_lp
 
     def close(self) -> None:
         if self.engine is not None:

@@ -122,9 +122,6 @@ def test_the_dense_distillation_loss_is_checked_at_compile_time(models):
     paths = {"actor": {"model_path": models["student"]}, "teacher": {"model_path": models["teacher"]}}
     with pytest.raises(PipelineError, match=r"(?s)actor.distill_coef > 0, but teacher.top_k=0.*set teacher.top_k"):
         rlgraph.compile(distill(actor={**paths["actor"], "distill_coef": 1.0}, teacher=paths["teacher"]))
-    with pytest.raises(PipelineError, match=r"(?s)teacher.top_k=8 needs the teacher's whole next-token distribution"
-                                            r".*set teacher.backend=hf"):
-        rlgraph.compile(distill(**paths | {"teacher": {**paths["teacher"], "backend": "vllm", "top_k": 8}}))
     with pytest.raises(PipelineError, match=r"(?s)make every advantage 0.*learn nothing"):
         rlgraph.compile(distill(**paths, algorithm={"distill_kl_weight": 0.0}))
     plan = rlgraph.compile(distill(actor={**paths["actor"], "distill_coef": 1.0},
@@ -164,6 +161,34 @@ def test_a_vllm_teacher_gives_the_transformers_teacher_s_log_probs(models):
     finally:
         w.close()
     torch.testing.assert_close(got, hf, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.vllm
+def test_a_vllm_teacher_gives_the_transformers_teacher_s_top_k(models):
+    """vLLM's prompt log-probs with their top-k: the same tokens and log-probs as the transformers teacher's
+    (a k beyond vLLM's default cap of 20 included)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: bash scripts/setup.sh --vllm=cpu")
+    ids, mask, responses = _rows(seed=3)
+    cols = ("teacher_log_probs", "teacher_topk_ids", "teacher_topk_log_probs")
+    hf = _score(_teacher(models, top_k=24), ids, mask, responses, cols)
+    w = _teacher(models, backend="vllm", top_k=24)
+    try:
+        got = _score(w, ids, mask, responses, cols)
+    finally:
+        w.close()
+    torch.testing.assert_close(got[0], hf[0], atol=2e-3, rtol=1e-3)
+    assert got[1].shape == hf[1].shape == (3, max(responses), 24)
+    real = torch.zeros(3, max(responses), dtype=torch.bool)
+    for i, r in enumerate(responses):
+        real[i, :r] = True
+    torch.testing.assert_close(got[2][real], hf[2][real], atol=2e-3, rtol=1e-3)  # the k best log-probs
+    # and vLLM's tokens are the ones with those log-probs under transformers (near-ties may swap places)
+    full = _score(_teacher(models, top_k=1000), ids, mask, responses, cols)  # the whole vocabulary
+    for i, t in real.nonzero().tolist():
+        lp_of = dict(zip(full[1][i, t].tolist(), full[2][i, t].tolist()))
+        want = torch.tensor([lp_of[tok] for tok in got[1][i, t].tolist()])
+        torch.testing.assert_close(got[2][i, t], want, atol=2e-3, rtol=1e-3)
+        assert len(set(got[1][i, t].tolist())) == 24
 
 
 @pytest.mark.ray
