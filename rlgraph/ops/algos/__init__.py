@@ -26,7 +26,7 @@ from rlgraph.ops.algos.core import (
     masked_var,
     masked_whiten,
 )
-from rlgraph.ops.algos.distill import generalized_jsd, top_k_distill_loss, with_tail
+from rlgraph.ops.algos.distill import drop_unusable, generalized_jsd, top_k_distill_loss, usable_ids, with_tail
 from rlgraph.ops.algos.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -57,6 +57,8 @@ __all__ = [
     "distill_advantages",
     "generalized_jsd",
     "top_k_distill_loss",
+    "usable_ids",
+    "drop_unusable",
     "with_tail",
     "FixedKLController",
     "KLPenaltyResult",

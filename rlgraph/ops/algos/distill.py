@@ -30,15 +30,20 @@ from torch import Tensor
 
 from rlgraph.ops.algos.core import agg_loss, check_same_shape
 
-__all__ = ["with_tail", "generalized_jsd", "top_k_distill_loss"]
+__all__ = ["NO_TOKEN", "TAIL_FLOOR", "with_tail", "generalized_jsd", "top_k_distill_loss", "usable_ids",
+           "drop_unusable"]
 
-_TINY = 1e-12  # a tail probability below this counts as this (keeps log finite when k is the vocabulary)
+# a tail probability below this counts as this. 1 - sum(p) over float32 probabilities is only good to about 1e-7
+# per token summed, so when k covers the vocabulary both tails are rounding noise: floored well above it they are
+# equal, carry no gradient (the clamp), and the noise cannot be divided by a near-zero student tail at beta=0
+TAIL_FLOOR = 1e-5
+NO_TOKEN = -1  # a top-k slot with no token (an engine gave fewer than k, or the student's vocabulary lacks it)
 
 
 def with_tail(log_probs: Tensor) -> Tensor:
     """``[..., k]`` log-probs of k distinct tokens -> ``[..., k + 1]``: the same and ``log(1 - sum p)``,
-    the rest of the vocabulary's probability, floored at 1e-12."""
-    tail = (1.0 - log_probs.exp().sum(dim=-1, keepdim=True)).clamp(min=_TINY).log()
+    the rest of the vocabulary's probability, floored at `TAIL_FLOOR`."""
+    tail = (1.0 - log_probs.exp().sum(dim=-1, keepdim=True)).clamp(min=TAIL_FLOOR).log()
     return torch.cat([log_probs, tail], dim=-1)
 
 
@@ -56,6 +61,20 @@ def generalized_jsd(student: Tensor, teacher: Tensor, beta: float) -> Tensor:
     kl_t = (teacher.exp() * (teacher - mix)).sum(dim=-1)  # KL(T || M)
     kl_s = (student.exp() * (student - mix)).sum(dim=-1)  # KL(S || M)
     return beta * kl_t + (1.0 - beta) * kl_s
+
+
+def usable_ids(ids: Tensor, teacher_log_probs: Tensor, vocab_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The teacher's top-k as the student can score them: ids to gather (``NO_TOKEN`` slots and ids past the
+    student's vocabulary, which a teacher with a larger embedding table may give, replaced by 0), the
+    teacher's log-probs with those slots at -1e4 (no probability: their mass goes to the teacher's tail),
+    and the mask of usable slots (apply it to the student's gathered log-probs with `drop_unusable`)."""
+    ok = (ids >= 0) & (ids < vocab_size)
+    return ids.where(ok, 0), teacher_log_probs.where(ok, -1e4), ok
+
+
+def drop_unusable(student_log_probs: Tensor, ok: Tensor) -> Tensor:
+    """The student's log-probs at `usable_ids`' ids with the unusable slots at -1e4 (no probability)."""
+    return student_log_probs.where(ok, -1e4)
 
 
 def top_k_distill_loss(student_topk_log_probs: Tensor, teacher_topk_log_probs: Tensor, response_mask: Tensor,

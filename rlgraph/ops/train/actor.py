@@ -27,7 +27,8 @@ import torch
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.ops.algos import (agg_loss, decoupled_weights, gspo_policy_loss, kl_loss, masked_mean, policy_loss,
-                               rollout_probs_diff, top_k_distill_loss, truncated_is_weights)
+                               drop_unusable, rollout_probs_diff, top_k_distill_loss, truncated_is_weights,
+                               usable_ids)
 from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
@@ -65,6 +66,7 @@ class ActorWorker(TrainerMixin):
         self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
         self.device = worker_device()  # the GPU this worker was given, else the CPU
         self.model = load_causal_lm(self.model_path).to(self.device)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])  # the rows its logits have
         self.packing, self.chunk = actor.packing, actor.logprob_chunk_size
         # LoRA only where the policy trains: a generation-only group loads the merged weights it is sent
         if actor.lora_rank and any(i.endswith("ActorWorker.update_actor") for i in ctx.group_impls):
@@ -337,8 +339,10 @@ class ActorWorker(TrainerMixin):
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
         if distill_coef:  # the teacher's top-k next tokens and their log-probs, [rows, R, k]
-            batch["teacher_topk_ids"] = rows["teacher_topk_ids"][:, :R].long()
-            batch["teacher_topk_log_probs"] = rows["teacher_topk_log_probs"][:, :R].float()
+            # slots the student cannot score (no token, or past its vocabulary) carry no probability on either side
+            ids, lps, ok = usable_ids(rows["teacher_topk_ids"][:, :R].long(),
+                                      rows["teacher_topk_log_probs"][:, :R].float(), self.vocab_size)
+            batch["teacher_topk_ids"], batch["teacher_topk_log_probs"], batch["teacher_topk_ok"] = ids, lps, ok
         if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
         if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
@@ -386,7 +390,8 @@ class ActorWorker(TrainerMixin):
                 metrics["kl_loss"] = float(kl_loss(logp.detach(), mb["ref_log_prob"], m, kl_loss_type,
                                                    loss_agg_mode))
             if distill_coef and s.side_logp is not None:  # GKD: the divergence to the teacher's distribution
-                dl, per_token = top_k_distill_loss(s.side_logp, mb["teacher_topk_log_probs"].to(s.side_logp.device),
+                student = drop_unusable(s.side_logp, mb["teacher_topk_ok"].to(s.side_logp.device))
+                dl, per_token = top_k_distill_loss(student, mb["teacher_topk_log_probs"].to(s.side_logp.device),
                                                    m, distill_beta, loss_agg_mode, global_tokens, global_seqs)
                 loss = loss + distill_coef * dl
                 metrics["distill_loss"] = float(agg_loss(per_token.detach(), m, loss_agg_mode))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlgraph.errors import ConfigError
+from rlgraph.ops.algos.distill import NO_TOKEN
 from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
 from rlgraph.ops.settings import ActorSettings, RolloutSettings, TeacherSettings
 from rlgraph.ops.tokenizers import tokenizer_mismatch
@@ -106,12 +107,10 @@ class TeacherWorker:
             p = totals[i] - resp[i]  # the response's first token is at position p; lps[k] scores token k
             out[i, :resp[i]] = torch.tensor(lps[p:p + resp[i]], dtype=torch.float32)
             if top_ids is not None and top_lp is not None:
-                for t in range(resp[i]):
-                    pairs = tops[p + t][:k]
-                    if len(pairs) < k:  # fewer than asked: the rest get no probability
-                        pairs = pairs + [(0, -1e4)] * (k - len(pairs))
-                    top_ids[i, t] = torch.tensor([tok for tok, _ in pairs])
-                    top_lp[i, t] = torch.tensor([lp for _, lp in pairs])
+                # fewer than asked at a position: the rest are empty slots with no probability
+                rows = [tops[p + t][:k] + [(NO_TOKEN, -1e4)] * (k - len(tops[p + t][:k])) for t in range(resp[i])]
+                top_ids[i, :resp[i]] = torch.tensor([[tok for tok, _ in r] for r in rows], dtype=torch.long)
+                top_lp[i, :resp[i]] = torch.tensor([[lp for _, lp in r] for r in rows], dtype=torch.float32)
         return out, top_ids, top_lp
 
     def close(self) -> None:

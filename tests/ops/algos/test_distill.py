@@ -76,3 +76,29 @@ def test_masked_tokens_count_for_nothing_and_beta_is_checked():
     with pytest.raises(ValueError, match="do not match response_mask"):
         top_k_distill_loss(s, t, torch.ones(2, 2))
     assert with_tail(torch.log(torch.tensor([0.25, 0.25]))).exp().tolist() == pytest.approx([0.25, 0.25, 0.5])
+
+
+def test_slots_the_student_cannot_score_carry_no_probability_and_tails_are_floored():
+    from rlgraph.ops.algos import drop_unusable, usable_ids
+    from rlgraph.ops.algos.distill import NO_TOKEN, TAIL_FLOOR
+
+    # a teacher with a larger vocabulary ranks token 12 (the student has 10) and an engine gave only 2 of 3
+    ids = torch.tensor([[[3, 12, NO_TOKEN]]])
+    t = torch.log(torch.tensor([[[0.5, 0.3, 0.2]]]))
+    gather_ids, t_ok, ok = usable_ids(ids, t, vocab_size=10)
+    assert gather_ids.tolist() == [[[3, 0, 0]]] and ok.tolist() == [[[True, False, False]]]
+    s_all = torch.log(torch.full((1, 1, 10), 0.1))
+    s = drop_unusable(s_all.gather(-1, gather_ids), ok)
+    # over {3, the rest}: teacher (0.5, 0.5), student (0.1, 0.9): the dropped slots' mass is the tail's
+    want = 0.5 * math.log(0.5 / 0.1) + 0.5 * math.log(0.5 / 0.9)
+    assert float(top_k_distill_loss(s, t_ok, torch.ones(1, 1), beta=0.0)[0]) == pytest.approx(want, abs=1e-5)
+    # k = vocabulary: both tails are rounding noise, floored alike, with no gradient through them
+    g = torch.Generator().manual_seed(2)
+    s_full = torch.randn(1, 4, 16, generator=g).log_softmax(-1).requires_grad_(True)
+    t_full = (torch.randn(1, 4, 16, generator=g) * 4).log_softmax(-1)
+    tail = with_tail(s_full)[..., -1]
+    assert torch.allclose(tail, torch.full_like(tail, math.log(TAIL_FLOOR)))
+    top_k_distill_loss(s_full, t_full, torch.ones(1, 4), beta=0.0)[0].backward()
+    # the forward KL's gradient w.r.t. the student's log-probs is -T per token (token-mean over 4 tokens): nothing
+    # from the tail's noise
+    torch.testing.assert_close(s_full.grad, -t_full.exp() / 4, atol=1e-6, rtol=1e-5)
