@@ -66,7 +66,8 @@ class ActorWorker(TrainerMixin):
         self.tokenizer = load_tokenizer(self.model_path, padding_side="left")
         self.device = worker_device()  # the GPU this worker was given, else the CPU
         self.model = load_causal_lm(self.model_path).to(self.device)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])  # the rows its logits have
+        head = self.model.get_output_embeddings()  # the rows its logits have (the config's may be rounded)
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else int(self.model.config.vocab_size)
         self.packing, self.chunk = actor.packing, actor.logprob_chunk_size
         # LoRA only where the policy trains: a generation-only group loads the merged weights it is sent
         if actor.lora_rank and any(i.endswith("ActorWorker.update_actor") for i in ctx.group_impls):
