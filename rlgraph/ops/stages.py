@@ -268,6 +268,11 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
     ).with_(**changes)
 
 
+def _score_type(score_column: str, doc: str) -> ColumnType:
+    """A score column's type: the pipeline's own `token_level_scores`, or a float column of its own."""
+    return COLUMNS["token_level_scores"] if score_column == "token_level_scores" else T.float32(R, doc=doc)
+
+
 def reward_model(group: str = "reward_model", name: str = "reward_model", score_column: str = "rm_scores",
                  kind: str = "discriminative", **changes: Any) -> OpSpec:
     """Score each sample with a discriminative reward model (a sequence-classification head), or with
@@ -280,13 +285,12 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
     if kind not in ("discriminative", "generative"):
         raise DeclarationError(f"reward_model(kind={kind!r}): use 'discriminative' (a reward-model head) or "
                                f"'generative' (a judge model's graded answer)")
-    out_doc = f"reward-model score of the {name} op, on the last response token"
     if kind == "generative":
         return OpSpec(
             name=name,
             inputs=_cols("prompts", "responses", "response_mask", "ground_truth"),
-            outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
-                     else T.float32(R, doc=f"judge's score of the {name} op, on the last response token"),
+            outputs={score_column: _score_type(score_column, f"judge's score of the {name} op, on the last "
+                                                                 "response token"),
                      f"{name}_metrics": T.json().metric()},
             granularity="sample",
             group=group,
@@ -302,8 +306,8 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
     return OpSpec(
         name=name,
         inputs=_cols(*_MODEL_INPUTS, "response_mask"),
-        outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
-                 else T.float32(R, doc=out_doc)},
+        outputs={score_column: _score_type(score_column, f"reward-model score of the {name} op, on the last "
+                                                         "response token")},
         granularity="sample",
         group=group,
         params=params_of(RewardModelSettings),

@@ -11,8 +11,9 @@ Backends (``teacher.backend``): ``hf``, a transformers forward with the policy's
 (``actor.logprob_chunk_size``, the packed layout with ``actor.packing``) in bfloat16 on a GPU; or
 ``vllm``, a vLLM engine per rank that scores prompt + response as one prompt and returns its
 prompt log-probs (the teacher's log-prob of every token given those before it, and with
-``teacher.top_k`` the k most likely tokens at each position), started on the first call. The result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response. With ``teacher.top_k``,
-the same pass also writes each position's k most likely tokens and their log-probs
+``teacher.top_k`` the k most likely tokens at each position), started on the first call. The
+result is ``teacher_log_probs`` ``[rows, R]``, 0 past each response. With ``teacher.top_k``, the
+same pass also writes each position's k most likely tokens and their log-probs
 (``teacher_topk_ids``, ``teacher_topk_log_probs``, ``[rows, R, k]``) for the update's dense
 distillation loss (``actor.distill_coef``, `rlgraph.ops.algos.distill`).
 """
@@ -67,23 +68,11 @@ class TeacherWorker:
                                  max_tokens_per_micro_batch: int = 0, ctx: Any) -> dict[str, Any]:
         resp = list(ctx.lengths["response_len"])
         if self.backend == "vllm":
-            logp, top_ids, top_lp = self._vllm(input_ids, attention_mask, resp, ctx.rank)
-            if top_ids is None or top_lp is None:
-                return {"teacher_log_probs": logp, **self._no_top_k(logp)}
-            return {"teacher_log_probs": logp, "teacher_topk_ids": top_ids, "teacher_topk_log_probs": top_lp}
+            return _columns(*self._vllm(input_ids, attention_mask, resp, ctx.rank))
         s = score_rows_top_k(self.model, input_ids, attention_mask, resp, self.tokenizer.pad_token_id,
                              self.temperature, self.chunk, self.packing, max_tokens_per_micro_batch,
                              top_k=self.top_k)
-        if s.side_logp is None or s.side_ids is None:
-            return {"teacher_log_probs": s.logp, **self._no_top_k(s.logp)}
-        return {"teacher_log_probs": s.logp, "teacher_topk_ids": s.side_ids, "teacher_topk_log_probs": s.side_logp}
-
-    @staticmethod
-    def _no_top_k(logp: torch.Tensor) -> dict[str, torch.Tensor]:
-        """teacher.top_k=0: empty top-k columns (nothing reads them then: the compiler keeps them out of the
-        data plane)."""
-        return {"teacher_topk_ids": torch.zeros((*logp.shape, 0), dtype=torch.long),
-                "teacher_topk_log_probs": torch.zeros((*logp.shape, 0))}
+        return _columns(s.logp, s.side_ids, s.side_logp)
 
     def _vllm(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp: list[int], rank: int
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -116,3 +105,11 @@ class TeacherWorker:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def _columns(logp: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The op's outputs. Without a top-k (teacher.top_k=0) its columns are empty: nothing reads them then, and
+    the compiler keeps them out of the data plane."""
+    if top_ids is None or top_lp is None:
+        top_ids, top_lp = torch.zeros((*logp.shape, 0), dtype=torch.long), torch.zeros((*logp.shape, 0))
+    return {"teacher_log_probs": logp, "teacher_topk_ids": top_ids, "teacher_topk_log_probs": top_lp}
