@@ -365,6 +365,8 @@ class Fleet:
         worker = self.workers[call.group][call.rank]
         hook = {"fault": fault} if fault else {}  # only a FaultInjectingWorker takes it
         rows, row_uids = list(call.rows), [uids[i] for i in call.rows]
+        # where the rows are in the data plane: the worker's gets and puts then ask the plane nothing first
+        hook["addresses"] = self.plane.addresses(partition, rows)
         if self.plan.op(c.op).streams:
             return worker.run_chunk_stream.options(num_returns="streaming").remote(
                 c.op, step, partition, c.index, rows, row_uids, list(tags), dict(batch_inputs), salt, **hook)
@@ -434,7 +436,8 @@ class Fleet:
                 ) -> tuple[list[int], list[bool], dict[str, float]]:
         """Have the source write a step's first columns; returns the rows' group ids, padding tags and
         the source's metrics of the batch."""
-        return self.get([self.source.produce.remote(partition, rows, uid_start, validation)],
+        where = self.plane.addresses(partition, range(rows))
+        return self.get([self.source.produce.remote(partition, rows, uid_start, validation, where)],
                         f"the data source to write partition {partition!r}")[0]
 
     def assemble(self, partition: str, picks: list[tuple[str, list[int]]], columns: list[str], padding: int,

@@ -115,10 +115,13 @@ class SourceWorker:
         if self.client is not None:
             self.client.forget(partition)
 
-    def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False
-                ) -> tuple[list[int], list[bool], dict[str, float]]:
+    def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False,
+                addresses: Any = None) -> tuple[list[int], list[bool], dict[str, float]]:
         """Write a step's first columns; returns the rows' group ids, padding tags and the source's
-        metrics of this batch (``batch_metrics()``, if it has one)."""
+        metrics of this batch (``batch_metrics()``, if it has one). `addresses`: where the
+        partition's rows are in the data plane (`DataPlane.addresses`)."""
+        if addresses is not None:
+            self.client.learn(partition, range(padded_rows), addresses)
         size = int(self.plan.batch.batch_size)
         if validation:
             fn = getattr(self.source, "next_val_batch", None)

@@ -157,12 +157,14 @@ class GroupWorker:
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
                   rows: Sequence[int], uids: Sequence[int], is_padding: Sequence[bool],
-                  batch_inputs: dict[str, Any] | None = None, salt: int = 0) -> CallResult:
+                  batch_inputs: dict[str, Any] | None = None, salt: int = 0, addresses: Any = None) -> CallResult:
         """Run `op_name` on `rows`: get its inputs, call the body, put its outputs. `chunks`: the
         (chunk index, number of rows) of each chunk the call holds, in the order of `rows`; the
         inputs are read with one get and the outputs written with one put, and the body runs once
-        per chunk, seeded by the chunk, so a batched call gives what one call per chunk would."""
+        per chunk, seeded by the chunk, so a batched call gives what one call per chunk would.
+        `addresses`: where the rows are in the data plane (`DataPlane.addresses`)."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        self._learn(partition, rows, addresses)
         moved = locality_bytes_in_this_process()
         outs: list[dict[str, Any]] = []
         dropped: dict[int, tuple[str, bool]] = {}
@@ -196,10 +198,11 @@ class GroupWorker:
     def run_chunk_stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                          uids: Sequence[int], is_padding: Sequence[bool],
                          batch_inputs: dict[str, Any] | None = None,
-                         salt: int = 0) -> Iterator[PartResult | CallResult]:
+                         salt: int = 0, addresses: Any = None) -> Iterator[PartResult | CallResult]:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult`."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        self._learn(partition, rows, addresses)
         moved = locality_bytes_in_this_process()
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk)
@@ -243,6 +246,10 @@ class GroupWorker:
                 f"op {op_name!r} failed on worker {self.group}[{self.rank}] at step {step} (chunk {chunk}, "
                 f"{len(rows)} rows, sample uids {keys}): {type(e).__name__}: {e}\n{detail}"
             ) from None
+
+    def _learn(self, partition: str, rows: tuple[int, ...], addresses: Any) -> None:
+        if addresses is not None and self.client is not None:
+            self.client.learn(partition, rows, addresses)
 
     def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
         sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]

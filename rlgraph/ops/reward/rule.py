@@ -27,7 +27,7 @@ from rlgraph.ops.models import tokenizer_at
 from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
-from rlgraph.ops.settings import ActorSettings, DataSettings, RolloutSettings
+from rlgraph.ops.settings import ActorSettings, DataSettings, RewardSettings, RolloutSettings
 
 __all__ = ["RewardWorker", "combine_rewards", "env_reward", "overlong_penalty", "overlong_penalties"]
 
@@ -38,6 +38,9 @@ class RewardWorker:
         self.default_tokenizer = DataSettings.value(ctx, "tokenizer") or ActorSettings.value(ctx, "model_path")
         self.tokenizers: dict[str, Any] = {}
         self.scorers: dict[tuple, RewardScorer] = {}
+        # loaded now, beside the models' loading, not in the first step (transformers' import is seconds)
+        if RewardSettings.value(ctx, "tokenizer") or self.default_tokenizer:
+            self._tokenizer(RewardSettings.value(ctx, "tokenizer"))
 
     def _tokenizer(self, path: str) -> Any:
         """`path`'s tokenizer, else data.tokenizer's, else actor.model_path's: the one the prompts were

@@ -228,6 +228,10 @@ class DataPlaneClient(ABC):
     def forget(self, partition: str) -> None:  # noqa: B027 - a client that remembers nothing
         """`partition` was cleared: drop what this client remembers of it (row lookups)."""
 
+    def learn(self, partition: str, rows: Sequence[int], addresses: Any) -> None:  # noqa: B027 - nothing to learn
+        """Where `rows` of `partition` are, as the driver's `DataPlane.addresses` gave it, so that
+        this client's next put or get of them asks the plane nothing first."""
+
     def close(self) -> None:  # noqa: B027 - a client without connections has nothing to do
         """Release this client's connections (sockets, threads). The data stays."""
 
@@ -258,6 +262,12 @@ class DataPlane(DataPlaneClient):
         Raises if the partition already exists (``clear`` it first). ``homes[r]``: the storage
         unit (an index into `storage_nodes`) that keeps row ``r``; a plane whose storage follows
         the writer (the Ray store) ignores it."""
+
+    def addresses(self, partition: str, rows: Sequence[int]) -> Any:
+        """What a client needs to reach `rows` of `partition` without asking the plane (small and
+        picklable: it travels with each op call, for the worker's `DataPlaneClient.learn`); None
+        when the backend needs nothing."""
+        return None
 
     def storage_nodes(self) -> tuple[str, ...]:
         """The Ray node of each storage unit, in unit order; () when rows cannot be given a home."""

@@ -161,7 +161,10 @@ def guarded_actor_class(actor_class: Any, secret: str) -> Any:
     meta = actor_class.__ray_metadata__
     base = meta.modified_class.__ray_actor_class__  # the class TQ decorated
 
-    class Guarded(base):  # type: ignore[misc, valid-type]
+    from rlgraph.runtime.dataplane.lean import LeanImports
+
+    # LeanImports first: the actor's process imports tensordict the lean way before TQ's modules
+    class Guarded(LeanImports, base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             from rlgraph.runtime.dataplane import guard
 

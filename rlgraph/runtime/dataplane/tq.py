@@ -51,6 +51,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 # every put/get log a warning. An explicit setting by the user wins.
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
+from rlgraph.runtime.dataplane import lean  # noqa: E402, F401  # first: tensordict without torch._dynamo (`lean`)
+
 import ray  # noqa: E402
 import ray.exceptions  # noqa: E402
 import transfer_queue as tq  # noqa: E402
@@ -251,6 +253,11 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         return {key: RoutingGroup(gis[key], pos[key]) for key in gis}
 
 
+def _tag(row: int, home: int | None) -> dict[str, Any]:
+    """A row's custom metadata on TQ's controller: its row number, and its home unit if it has one."""
+    return {"row": row} if home is None else {"row": row, "unit": home}
+
+
 async def _all(requests: list[Awaitable[Any]]) -> list[Any]:
     """The results of `requests` run together; the first error is raised once all have ended, so
     none is left running on its socket (a request dropped mid-way breaks TQ's socket pool)."""
@@ -381,6 +388,16 @@ class _TQClient(DataPlaneClient):
     def forget(self, partition: str) -> None:
         self._rows.pop(partition, None)
 
+    def learn(self, partition: str, rows: Sequence[int], addresses: Any) -> None:
+        """`addresses`: (global indexes, home units or None) of `rows`, from the driver's
+        `TransferQueueDataPlane.addresses`; it replaces what this client knew of those rows."""
+        if addresses is None:
+            return
+        indexes, homes = addresses
+        known = self._rows.setdefault(partition, {})
+        for k, r in enumerate(rows):
+            known[int(r)] = (int(indexes[k]), _tag(int(r), None if homes is None else homes[k]))
+
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
         encoded = {name: cells.encode(col) for name, col in columns.items()}
@@ -455,6 +472,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         self._unit_nodes = _actor_nodes(units) if all(units) else ()
         self._owner_pid = os.getpid()
         self._closed = False
+        self._homed: dict[str, bool] = {}  # partition this plane created -> whether its rows have homes
 
     @classmethod
     def start(cls, config: TransferQueueConfig | None = None) -> "TransferQueueDataPlane":
@@ -494,10 +512,27 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
             self._client.async_kv_retrieve_meta([str(i) for i in range(num_rows)], partition, create=True),
             f"register {num_rows} rows of partition {partition!r}",
         )
-        tags = [{"row": i} if homes is None else {"row": i, "unit": homes[i]} for i in range(num_rows)]
+        tags = [_tag(i, None if homes is None else homes[i]) for i in range(num_rows)]
         meta.update_custom_meta(tags)
         self._run(self._client.async_set_custom_meta(meta), f"tag rows of partition {partition!r}")
         self._manager.learn(list(meta.global_indexes), tags)
+        # the driver knows its rows: it asks nothing before its own puts and gets, and hands them to
+        # the workers with each call (`addresses`), so theirs ask nothing either
+        self._rows[partition] = dict(zip(range(num_rows), zip(meta.global_indexes, tags)))
+        self._homed[partition] = homes is not None
+
+    def addresses(self, partition: str, rows: Sequence[int]) -> tuple[list[int], list[int] | None] | None:
+        """(global index, home unit) of each of `rows`, for the workers' `learn`; None for a
+        partition this plane did not create."""
+        known = self._rows.get(partition)
+        if known is None or partition not in self._homed:
+            return None
+        try:
+            entries = [known[int(r)] for r in rows]
+        except KeyError:
+            return None
+        homes = [e[1]["unit"] for e in entries] if self._homed[partition] else None
+        return [e[0] for e in entries], homes
 
     def _check_homes(self, partition: str, num_rows: int, homes: Sequence[int] | None) -> list[int] | None:
         if homes is None:
@@ -516,6 +551,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
 
     def clear(self, partition: str) -> None:
         self.forget(partition)
+        self._homed.pop(partition, None)
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:

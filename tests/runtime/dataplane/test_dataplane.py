@@ -253,6 +253,35 @@ def test_tq_rows_are_stored_on_their_home_unit_by_every_client(tq_plane, workers
         tq_plane.create_partition(p, 2, homes=[0, 1, 1])
 
 
+@pytest.mark.ray
+def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_plane):
+    # the driver hands each call the rows' addresses (global index, home unit); the worker's put
+    # and get then go straight to the storage units, to the rows' homes, with no lookup
+    client = tq_plane.handle().connect()
+    try:
+        p = _part()
+        before = _unit_keys(tq_plane)
+        tq_plane.create_partition(p, 4, homes=[1, 1, 0, 1])
+        where = tq_plane.addresses(p, [3, 0, 2])
+        assert where is not None and where[1] == [1, 1, 0]
+        client.learn(p, [3, 0, 2], where)
+        lookups = []
+        real = client._client.async_kv_retrieve_meta
+        client._client.async_kv_retrieve_meta = lambda *a, **k: lookups.append(a) or real(*a, **k)
+        client.put(p, [3, 0, 2], {"x": torch.tensor([3.0, 0.0, 2.0])})
+        assert _same(client.get(p, (0, 2, 3), ["x"])["x"], torch.tensor([0.0, 2.0, 3.0]))
+        assert lookups == []
+        assert [a - b for a, b in zip(_unit_keys(tq_plane), before)] == [1, 2]
+        assert _same(tq_plane.get(p, (3,), ["x"])["x"], torch.tensor([3.0]))  # the driver's own view agrees
+        with pytest.raises(DataPlaneError, match="never written"):
+            client.get(p, (1,), ["x"])  # a row it was not told about: looked up, then found unwritten
+        assert len(lookups) == 1
+        tq_plane.clear(p)
+        assert tq_plane.addresses(p, [0]) is None  # a cleared partition has no addresses
+    finally:
+        client.close()
+
+
 def _scenario(plane, p):
     """Puts in several shapes and orders, then gets of several row subsets; returns everything read."""
     plane.create_partition(p, 8)
