@@ -162,7 +162,8 @@ def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> di
                 out[dim] = [int(values.shape[axis + 1])] * int(values.shape[0])
             elif isinstance(values, (list, tuple)):
                 try:
-                    out[dim] = [int(torch.as_tensor(v).shape[axis]) for v in values]
+                    out[dim] = [int((v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).shape[axis])
+                                for v in values]
                 except (IndexError, TypeError):
                     pass
     return out
@@ -190,7 +191,9 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
     if isinstance(value, torch.Tensor) and ragged and ragged[0][1] in lengths:
         lens = lengths[ragged[0][1]]
         axis = ragged[0][0]
-        value = [value[i].narrow(axis, 0, min(lens[i], value.shape[axis + 1])) for i in range(n_rows)]
+        value = value.to(TORCH_DTYPES[col.dtype])  # once for the call, not once per row
+        width = value.shape[axis + 1]
+        return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens)]
     if isinstance(value, torch.Tensor):
         return value.to(TORCH_DTYPES[col.dtype])
     return [torch.as_tensor(v).to(TORCH_DTYPES[col.dtype]) for v in value]
