@@ -137,7 +137,7 @@ everything or one section (the other sections are kept):
 
 ```bash
 .venv/bin/python -m benchmarks.run all            # every section (about 15 minutes on 2 cores)
-.venv/bin/python -m benchmarks.run overlap        # or: real, traffic, dataplane, padding, scale, rollout, staleness, leaks, locality, trl_peer, overhead, rowloops, logprob_memory, packing, real_shape
+.venv/bin/python -m benchmarks.run overlap        # or: real, traffic, dataplane, padding, scale, rollout, staleness, leaks, locality, trl_peer, overhead, rowloops, logprob_memory, packing, real_shape, startup
 .venv/bin/python -m benchmarks.run all --quick    # tiny sizes, a smoke test (what the tests run)
 ```
 

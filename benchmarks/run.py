@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TQ_NUM_THREADS", "2")
 
 NAMES = ["overlap", "real", "traffic", "dataplane", "padding", "scale", "rollout", "staleness", "leaks", "locality",
-         "trl_peer", "overhead", "rowloops", "logprob_memory", "packing", "real_shape"]
+         "trl_peer", "overhead", "rowloops", "logprob_memory", "packing", "real_shape", "startup"]
 
 
 def main(argv: list[str] | None = None) -> int:

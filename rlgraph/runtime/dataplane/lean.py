@@ -17,14 +17,19 @@ It must be imported before anything else imports tensordict in a process:
   as their first base, and unpickling a class imports its bases' modules in order, so this module
   runs before TQ's.
 
-Measured in docs/performance.md (start-up).
+``RLGRAPH_LEAN_TENSORDICT=0`` (in the environment of ``rlgraph run``; Ray's workers inherit it)
+imports tensordict as it is, for code that ``torch.compile``s tensordict's own functions. Measured
+in docs/performance.md (start-up).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-__all__ = ["LeanImports", "import_tensordict"]
+__all__ = ["SWITCH", "LeanImports", "import_tensordict"]
+
+SWITCH = "RLGRAPH_LEAN_TENSORDICT"  # "0": import tensordict as it is (its torch.compile markers included)
 
 _MARKERS = ("allow_in_graph", "assume_constant_result")
 
@@ -33,6 +38,10 @@ def import_tensordict() -> None:
     """Import tensordict with ``torch.compile``'s import-time markers as no-ops (once; nothing
     happens if it is already imported, or if torch lacks the markers)."""
     if "tensordict" in sys.modules:
+        return
+    if os.environ.get(SWITCH, "1") == "0":  # as tensordict itself does it (and pays for it)
+        import tensordict  # noqa: F401
+
         return
     import torch.compiler
 
