@@ -30,7 +30,8 @@ PHASES = {  # phase -> the pattern of its line (seconds in the first group)
     "data plane (beside the workers)": r"data plane: .*\(([\d.]+)s, beside",
     "models loaded, after the workers": r"model load: .*\(([\d.]+)s\)",
 }
-VARIANTS = {"rlgraph": {}, "tensordict as it is": {"RLGRAPH_LEAN_TENSORDICT": "0"}}
+VARIANTS = {"rlgraph": {"RLGRAPH_LEAN_TENSORDICT": "1"}, "tensordict as it is": {"RLGRAPH_LEAN_TENSORDICT": "0"}}
+TIMEOUT_S = 300  # one run, start-up and two steps
 
 
 def _busy_s() -> float:
@@ -59,6 +60,9 @@ def _one(env: dict[str, str], out: Path, steps: int) -> dict[str, Any]:
                                 env={**os.environ, **env})
         first_end = busy_at_first = None
         while proc.poll() is None:
+            if time.time() - t0 > TIMEOUT_S:
+                proc.kill()
+                raise RuntimeError(f"rlgraph run did not end within {TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
             if first_end is None and metrics.is_file() and metrics.read_bytes().count(b"\n") >= 1:
                 first_end, busy_at_first = time.time(), _busy_s()
             time.sleep(0.02)

@@ -365,7 +365,10 @@ class Fleet:
         worker = self.workers[call.group][call.rank]
         hook = {"fault": fault} if fault else {}  # only a FaultInjectingWorker takes it
         rows, row_uids = list(call.rows), [uids[i] for i in call.rows]
-        # where the rows are in the data plane: the worker's gets and puts then ask the plane nothing first
+        # where the rows are in the data plane: the worker's gets and puts then ask the plane nothing first.
+        # They name storage slots, not partitions, so no call of a step may run after its partition is
+        # cleared and its slots reused: a recovery restores every worker (which waits for their calls)
+        # before it creates a partition again
         hook["addresses"] = self.plane.addresses(partition, rows)
         if self.plan.op(c.op).streams:
             return worker.run_chunk_stream.options(num_returns="streaming").remote(

@@ -193,7 +193,7 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
         axis = ragged[0][0]
         value = value.to(TORCH_DTYPES[col.dtype])  # once for the call, not once per row
         width = value.shape[axis + 1]
-        return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens)]
+        return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens, strict=True)]
     if isinstance(value, torch.Tensor):
         return value.to(TORCH_DTYPES[col.dtype])
     return [torch.as_tensor(v).to(TORCH_DTYPES[col.dtype]) for v in value]

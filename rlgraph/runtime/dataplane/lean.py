@@ -17,8 +17,8 @@ It must be imported before anything else imports tensordict in a process:
   as their first base, and unpickling a class imports its bases' modules in order, so this module
   runs before TQ's.
 
-``RLGRAPH_LEAN_TENSORDICT=0`` (in the environment of ``rlgraph run``; Ray's workers inherit it)
-imports tensordict as it is, for code that ``torch.compile``s tensordict's own functions. Measured
+``RLGRAPH_LEAN_TENSORDICT=0`` (in the environment of ``rlgraph run``; the workers of a Ray that
+rlgraph starts inherit it, a cluster's nodes need it in their own environment) imports tensordict as it is, for code that ``torch.compile``s tensordict's own functions. Measured
 in docs/performance.md (start-up).
 """
 

@@ -206,3 +206,25 @@ def test_filter_groups_by_hand():
     drops.clear()
     filter_groups(uid, score_column="raw", metric_column="raw", min_std=0.0, ctx=ctx, raw=shaped)
     assert [d[0] for d in drops] == [0, 2]
+
+
+def test_the_rule_reward_worker_loads_its_tokenizer_at_setup_and_leaves_a_bad_one_to_its_call(tmp_path):
+    # loaded beside the models at start-up, not in the first step (transformers' import takes seconds)
+    from types import SimpleNamespace
+
+    from rlgraph.ops.reward.rule import RewardWorker
+
+    def ctx(config):
+        return SimpleNamespace(op="reward", group="reward", rank=0, dp=1, step=-1, chunk=-1, seed=0, config=config)
+
+    w = RewardWorker()
+    w.setup(ctx({"data": {"tokenizer": "char"}}))
+    assert list(w.tokenizers) == ["char"]
+    w = RewardWorker()
+    w.setup(ctx({"reward": {"tokenizer": "char"}, "actor": {"model_path": str(tmp_path / "none")}}))
+    assert list(w.tokenizers) == ["char"]
+    w = RewardWorker()  # a path without a tokenizer: setup passes, the op's call reports it
+    w.setup(ctx({"actor": {"model_path": str(tmp_path / "none")}}))
+    assert w.tokenizers == {}
+    with pytest.raises(RLGraphError, match="none"):
+        w._tokenizer("")
