@@ -41,11 +41,10 @@ class RewardWorker:
         # loaded now, beside the models' loading, not in the first step (transformers' import is seconds):
         # the tokenizer of ``reward.tokenizer`` or the default. A reward op of another name may name its
         # own; its call loads that, and reports a tokenizer that cannot be loaded, as before
-        if RewardSettings.value(ctx, "tokenizer") or self.default_tokenizer:
-            try:
-                self._tokenizer(RewardSettings.value(ctx, "tokenizer"))
-            except Exception:  # noqa: BLE001 - the op's own call raises it, naming the op, if it needs this one
-                pass
+        try:
+            self._tokenizer(RewardSettings.value(ctx, "tokenizer"))
+        except Exception:  # noqa: BLE001 - the op's own call raises it, naming the op, if it needs this one
+            pass
 
     def _tokenizer(self, path: str) -> Any:
         """`path`'s tokenizer, else data.tokenizer's, else actor.model_path's: the one the prompts were

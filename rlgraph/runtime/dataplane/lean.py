@@ -18,8 +18,9 @@ It must be imported before anything else imports tensordict in a process:
   runs before TQ's.
 
 ``RLGRAPH_LEAN_TENSORDICT=0`` (in the environment of ``rlgraph run``; the workers of a Ray that
-rlgraph starts inherit it, a cluster's nodes need it in their own environment) imports tensordict as it is, for code that ``torch.compile``s tensordict's own functions. Measured
-in docs/performance.md (start-up).
+rlgraph starts inherit it, a cluster's nodes need it in their own environment) imports tensordict
+as it is, for code that ``torch.compile``s tensordict's own functions. Measured in
+docs/performance.md (start-up).
 """
 
 from __future__ import annotations

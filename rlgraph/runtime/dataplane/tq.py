@@ -389,14 +389,13 @@ class _TQClient(DataPlaneClient):
         self._rows.pop(partition, None)
 
     def learn(self, partition: str, rows: Sequence[int], addresses: Any) -> None:
-        """`addresses`: (global indexes, home units or None) of `rows`, from the driver's
+        """`addresses`: (global index, home unit or None) of each of `rows`, from the driver's
         `TransferQueueDataPlane.addresses`; it replaces what this client knew of those rows."""
         if addresses is None:
             return
-        indexes, homes = addresses
         known = self._rows.setdefault(partition, {})
-        for k, r in enumerate(rows):
-            known[int(r)] = (int(indexes[k]), _tag(int(r), None if homes is None else homes[k]))
+        for r, (index, home) in zip(rows, zip(*addresses), strict=True):
+            known[int(r)] = (int(index), _tag(int(r), home))
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
@@ -472,7 +471,6 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         self._unit_nodes = _actor_nodes(units) if all(units) else ()
         self._owner_pid = os.getpid()
         self._closed = False
-        self._homed: dict[str, bool] = {}  # partition this plane created -> whether its rows have homes
 
     @classmethod
     def start(cls, config: TransferQueueConfig | None = None) -> "TransferQueueDataPlane":
@@ -519,20 +517,18 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         # the driver knows its rows: it asks nothing before its own puts and gets, and hands them to
         # the workers with each call (`addresses`), so theirs ask nothing either
         self._rows[partition] = dict(zip(range(num_rows), zip(meta.global_indexes, tags)))
-        self._homed[partition] = homes is not None
 
-    def addresses(self, partition: str, rows: Sequence[int]) -> tuple[list[int], list[int] | None] | None:
-        """(global index, home unit) of each of `rows`, for the workers' `learn`; None for a
-        partition this plane did not create."""
+    def addresses(self, partition: str, rows: Sequence[int]) -> tuple[list[int], list[int | None]] | None:
+        """(global indexes, home units or None) of `rows`, for the workers' `learn`; None when this
+        plane does not know them all (a partition it did not create, or one cleared)."""
         known = self._rows.get(partition)
-        if known is None or partition not in self._homed:
-            return None
         try:
-            entries = [known[int(r)] for r in rows]
+            entries = [known[int(r)] for r in rows] if known is not None else None
         except KeyError:
             return None
-        homes = [e[1]["unit"] for e in entries] if self._homed[partition] else None
-        return [e[0] for e in entries], homes
+        if entries is None:
+            return None
+        return [e[0] for e in entries], [e[1].get("unit") for e in entries]
 
     def _check_homes(self, partition: str, num_rows: int, homes: Sequence[int] | None) -> list[int] | None:
         if homes is None:
@@ -551,7 +547,6 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
 
     def clear(self, partition: str) -> None:
         self.forget(partition)
-        self._homed.pop(partition, None)
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:

@@ -278,6 +278,13 @@ def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_pl
         assert len(lookups) == 1
         tq_plane.clear(p)
         assert tq_plane.addresses(p, [0]) is None  # a cleared partition has no addresses
+        tq_plane.create_partition(p, 2)  # rows without a home: TransferQueue's own rule places them
+        where = tq_plane.addresses(p, [1, 0])
+        assert where is not None and where[1] == [None, None]
+        client.learn(p, [1, 0], where)
+        client.put(p, [1, 0], {"x": torch.tensor([1.0, 0.0])})
+        assert _same(tq_plane.get(p, (0, 1), ["x"])["x"], torch.tensor([0.0, 1.0])) and len(lookups) == 1
+        tq_plane.clear(p)
     finally:
         client.close()
 
