@@ -153,6 +153,32 @@ def test_tensorboard_logs_every_step_and_the_config(pipeline, tmp_path):
     assert "| `trainer.seed` | 7 |" in config and "| `trainer.logger` | [tensorboard] |" in config
 
 
+def test_a_step_s_scalars_are_one_tensorboard_event_and_reach_the_file_while_the_run_goes_on(
+        pipeline, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from rlgraph.runtime.loggers import TensorBoardLogger
+
+    monkeypatch.setattr(TensorBoardLogger, "FLUSH_S", 0.2)
+    reporter = make_reporter(tmp_path, plan_with(pipeline, "trainer.logger=[tensorboard]"), tty=False)
+    reporter.start(2, 0, ["score/mean"])
+    for r in RECORDS:
+        reporter.step_done(r)
+    try:  # not closed yet: a user watching with tensorboard sees the steps within FLUSH_S
+        deadline, scalars = time.monotonic() + 10, {}
+        while time.monotonic() < deadline and len(scalars.get("score/mean", ())) < 2:
+            time.sleep(0.1)
+            scalars = read_tensorboard(tmp_path / "tensorboard")[0]
+        assert scalars["score/mean"] == [(0, 0.25), (1, 0.75)]
+    finally:
+        reporter.close()
+    (events,) = [f for f in (tmp_path / "tensorboard").iterdir() if "tfevents" in f.name]
+    steps = [e for e in EventFileLoader(str(events)).Load()
+             if e.summary.value and not e.summary.value[0].tag.startswith("config")]
+    assert [(e.step, sorted(v.tag for v in e.summary.value)) for e in steps] == [
+        (0, ["faults/retries", "score/mean", "timing/step_s"]), (1, ["faults/retries", "score/mean", "timing/step_s"])]
+
+
 def test_tensorboard_after_a_resume_shows_the_checkpointed_steps_then_the_new_ones(pipeline, tmp_path):
     plan = plan_with(pipeline, "trainer.logger=[tensorboard]")
     run_reporter(make_reporter(tmp_path, plan, tty=False))  # steps 0, 1; say the checkpoint is after step 0
