@@ -183,6 +183,17 @@ def test_compile_writes_plan_and_svg(tmp_path):
     assert f"wrote {out_dir / 'pipeline.svg'}" in out
 
 
+@pytest.mark.parametrize("example", ["grpo.py", "ppo.py", "dapo.py", "distill.py"])
+def test_compiling_a_pipeline_imports_no_torch(example):
+    """`rlgraph run` compiles before Ray starts: a torch import there (seconds) delays everything."""
+    code = ("import sys; from rlgraph.graph.loader import load_pipeline; from rlgraph import compile; "
+            f"compile(load_pipeline({str(ROOT / 'examples' / example)!r})[0], []); "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'tensordict') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_viz_writes_a_drawing_from_a_pipeline_or_a_plan(tmp_path):
     svg = tmp_path / "ppo.svg"
     assert ok(invoke("viz", PPO, "-o", str(svg), "rollout.n=2")).strip() == f"wrote {svg}"

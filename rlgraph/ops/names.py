@@ -10,7 +10,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["AGG_MODES", "LOSS_MODES", "KL_KINDS", "ESTIMATORS", "ESTIMATOR_NEEDS", "ON_ERROR", "EXECUTORS", "ENGINE_BACKENDS"]
+__all__ = ["AGG_MODES", "LOSS_MODES", "KL_KINDS", "ESTIMATORS", "ESTIMATOR_NEEDS", "ON_ERROR", "EXECUTORS", "ENGINE_BACKENDS",
+           "parse_token_ids"]
 
 # how token losses are aggregated (BRIEF section 3)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -39,3 +40,12 @@ EXECUTORS = ("thread", "process")
 
 # training engines behind update_actor / update_critic
 ENGINE_BACKENDS = ("torch", "deepspeed", "fsdp2")
+
+
+def parse_token_ids(text: str) -> tuple[int, ...]:
+    """``"7, 9"`` -> ``(7, 9)``: the rollout.stop_token_ids param (checked when compiling, read by
+    the generate op)."""
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"rollout.stop_token_ids={text!r} must be token ids separated by commas, e.g. '7,9'") from None

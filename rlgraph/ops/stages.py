@@ -20,7 +20,7 @@ from rlgraph.graph.columns import ANY_DIM, ColumnType, T
 from rlgraph.graph.config import Param
 from rlgraph.graph.dsl import SYSTEM_COLUMNS, Batching, DataSource, OpSpec
 from rlgraph.graph.settings import params_of
-from rlgraph.ops.names import ESTIMATOR_NEEDS, ESTIMATORS
+from rlgraph.ops.names import ESTIMATOR_NEEDS, ESTIMATORS, parse_token_ids
 from rlgraph.ops.settings import (ActorSettings, AgentSettings, AlgorithmSettings, CriticSettings, DataSettings,
                                   FilterGroupsSettings, ForwardSettings, JudgeSettings, OldLogprobSettings,
                                   OverlongSettings, RefSettings, RewardModelSettings, RewardSettings, RolloutSettings,
@@ -131,8 +131,6 @@ def prompt_source(**params: Param) -> DataSource:
 
 
 def _validate_generate(params: Mapping[str, Any], connected: frozenset[str]) -> list[Problem]:
-    from rlgraph.ops.rollout.parts import parse_token_ids
-
     try:
         parse_token_ids(params["stop_token_ids"])
     except ValueError as e:

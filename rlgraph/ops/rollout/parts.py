@@ -22,23 +22,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from rlgraph.ops.names import parse_token_ids
 from rlgraph.seeds import stable_seed
 
-__all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids"]
+__all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids"]  # parse_token_ids: from rlgraph.ops.names
 
 GEN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                "rollout_log_probs")
 
 Part = tuple[list[int], dict[str, list]]
 VERSIONS = "weight_labels"  # not a column: a vllm part's per-row weight labels of its (first, last) token
-
-
-def parse_token_ids(text: str) -> tuple[int, ...]:
-    """``"7, 9"`` -> ``(7, 9)``: the stop_token_ids param."""
-    try:
-        return tuple(int(t) for t in text.replace(",", " ").split())
-    except ValueError:
-        raise ValueError(f"rollout.stop_token_ids={text!r} must be token ids separated by commas, e.g. '7,9'") from None
 
 
 def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
