@@ -67,6 +67,32 @@ def response_columns_loop(prompts: Sequence[torch.Tensor], responses: Sequence[t
     return out
 
 
+def left_pad_loop(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p):] = p
+        mask[j, width - len(p):] = 1
+    return ids, mask
+
+
+def cut_loop(tokens: torch.Tensor, stop: set[int]) -> list[torch.Tensor]:
+    out = []
+    for row in tokens:
+        length = len(row)
+        for k, t in enumerate(row.tolist()):
+            if t in stop:
+                length = k + 1
+                break
+        out.append(row[:length].clone())
+    return out
+
+
+def convert_loop(values: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.as_tensor(v).to(dtype) for v in values]
+
+
 # --------------------------------------------------------------------------- inputs
 def rows(n: int = ROWS, seed: int = 0) -> dict[str, Any]:
     """`n` prompt/response rows as the data plane hands them to an op (right-padded)."""
@@ -86,7 +112,20 @@ def rows(n: int = ROWS, seed: int = 0) -> dict[str, Any]:
     ids = torch.randint(0, VOCAB, (n, R), generator=g)
     return {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention_mask,
             "rlen": rlen, "logits": logits, "ids": ids, "padding": [i % 50 == 0 for i in range(n)],
-            "log_probs": [torch.randn(r, generator=g) for r in rlen]}
+            "log_probs": [torch.randn(r, generator=g) for r in rlen],
+            "generated": torch.randint(0, VOCAB, (n, 16), generator=g)}  # what generate returns, before the cut
+
+
+STOP = {1, 2}  # the stop tokens of the cut: EOS and one more, about 1 in 32 of the 64-token vocabulary
+
+
+def _convert_args(values: list[torch.Tensor]) -> tuple:
+    """`invoke._convert`'s arguments for the generate op's ``responses`` output of `values`."""
+    import rlgraph
+    from rlgraph.graph.loader import load_pipeline
+
+    plan = rlgraph.compile(load_pipeline(str(common.ROOT / "examples" / "grpo.py"))[0], [])
+    return plan, plan.op("generate"), "responses", values, len(values), {"response_len": [len(v) for v in values]}
 
 
 def _rate(fn: Callable[[], Any], n: int, repeats: int) -> float:
@@ -101,11 +140,13 @@ def _rate(fn: Callable[[], Any], n: int, repeats: int) -> float:
 
 def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.Section:
     from rlgraph.ops.algos.core import entropy_from_logits, logprobs_from_logits
-    from rlgraph.ops.rollout.parts import response_columns
+    from rlgraph.ops.rollout.parts import cut_lengths, left_pad, response_columns
     from rlgraph.ops.train.sequences import pack, repack
+    from rlgraph.runtime.invoke import _convert
 
     n, repeats = (128, 3) if quick else (ROWS, 9)
     d = rows(n)
+    convert_args = _convert_args(d["responses"])
     cases = [
         ("split + pack a forward's rows (sequences.repack)",
          lambda: pack(*split_rows_loop(d["input_ids"], d["attention_mask"], d["rlen"]), 0),
@@ -117,6 +158,14 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
         ("generate's response columns (parts.response_columns)",
          lambda: response_columns_loop(d["prompts"], d["responses"], d["padding"], d["log_probs"]),
          lambda: response_columns(d["prompts"], d["responses"], d["padding"], d["log_probs"])),
+        ("generate's left-padded prompt batch (parts.left_pad)",
+         lambda: left_pad_loop(d["prompts"], 0), lambda: left_pad(d["prompts"], 0)),
+        ("responses cut at the first stop token (parts.cut_lengths)",
+         lambda: cut_loop(d["generated"], STOP),
+         lambda: [row[:k] for row, k in zip(d["generated"], cut_lengths(d["generated"], STOP))]),
+        ("an op's per-row output list checked and typed (invoke._convert)",
+         lambda: convert_loop(d["responses"], torch.long),
+         lambda: _convert(*convert_args)),
     ]
     t = common.Table(["helper", "rows", "per-row loop rows/s", "vectorised rows/s", "speed-up"])
     for name, before, after in cases:

@@ -194,9 +194,12 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
         value = value.to(TORCH_DTYPES[col.dtype])  # once for the call, not once per row
         width = value.shape[axis + 1]
         return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens, strict=True)]
+    dtype = TORCH_DTYPES[col.dtype]
     if isinstance(value, torch.Tensor):
-        return value.to(TORCH_DTYPES[col.dtype])
-    return [torch.as_tensor(v).to(TORCH_DTYPES[col.dtype]) for v in value]
+        return value.to(dtype)
+    if all(type(v) is torch.Tensor and v.dtype is dtype for v in value):  # as they are (what the line below gives)
+        return list(value)
+    return [torch.as_tensor(v).to(dtype) for v in value]
 
 
 def _check_columns(op: OpPlan, result: Any, expected: Sequence[str], what: str) -> None:

@@ -25,7 +25,9 @@ import torch
 from rlgraph.ops.names import parse_token_ids
 from rlgraph.seeds import stable_seed
 
-__all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids"]  # parse_token_ids: from rlgraph.ops.names
+# parse_token_ids is rlgraph.ops.names's (torch-free: the compiler checks the param with it)
+__all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids",
+           "cut_lengths", "left_pad"]
 
 GEN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                "rollout_log_probs")
@@ -78,6 +80,28 @@ def _cut(tokens: Sequence[int], stop: set[int]) -> int:
         if t in stop:
             return k + 1
     return len(tokens)
+
+
+def cut_lengths(tokens: torch.Tensor, stop: set[int]) -> list[int]:
+    """`_cut` of every row of `tokens` [rows, width] at once: each row's length up to and including
+    its first stop token, or the whole width."""
+    ids = sorted(t for t in stop if t is not None)
+    width = tokens.shape[1]
+    if not ids or tokens.numel() == 0:
+        return [width] * tokens.shape[0]
+    hits = torch.isin(tokens, torch.tensor(ids, dtype=tokens.dtype))
+    first = hits.to(torch.int8).argmax(dim=1)  # the first hit's column (0 where there is none)
+    return torch.where(hits.any(dim=1), first + 1, width).tolist()
+
+
+def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompts` as one left-padded batch (generation continues from the last column) and its
+    attention mask, both ``long`` [rows, longest prompt]."""
+    ids = torch.nn.utils.rnn.pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=pad,
+                                          padding_side="left")
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    mask = (torch.arange(ids.shape[1]) >= (ids.shape[1] - lengths).unsqueeze(1)).long()
+    return ids, mask
 
 
 def _part(positions: list[int], prompts: Sequence[torch.Tensor], responses: dict[int, torch.Tensor],
@@ -134,12 +158,8 @@ def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_pad
         if refresh is not None:
             refresh()
         rows = [i for g in batch for i in g]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, i in enumerate(rows):  # left padding: generation continues from the last column
-            ids[j, width - len(prompts[i]):] = prompts[i]
-            mask[j, width - len(prompts[i]):] = 1
+        ids, mask = left_pad([prompts[i] for i in rows], pad)
+        width = ids.shape[1]
         torch.manual_seed(stable_seed(seed, k))  # the same rows draw the same samples in any schedule
         sample = temperature > 0
         device = next(model.parameters()).device  # the worker's GPU when it has one
@@ -150,9 +170,8 @@ def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_pad
             return_dict_in_generate=True, output_scores=logprobs)
         new = out.sequences[:, width:].cpu()
         responses, lps = {}, {} if logprobs else None
-        for j, i in enumerate(rows):
-            length = _cut(new[j].tolist(), stop)
-            responses[i] = new[j, :length].clone()
+        for j, (i, length) in enumerate(zip(rows, cut_lengths(new, stop))):
+            responses[i] = new[j, :length]  # a view: response_columns copies the part's rows into its columns
             if lps is not None:
                 scores = torch.stack([s[j] for s in out.scores[:length]]).float().cpu()  # [length, vocab], processed
                 lps[i] = torch.log_softmax(scores, dim=-1).gather(-1, new[j, :length, None]).squeeze(-1)

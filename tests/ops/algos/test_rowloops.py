@@ -8,7 +8,7 @@ import torch
 from benchmarks import rowloops
 from rlgraph.ops.algos import core
 from rlgraph.ops.algos.core import entropy_from_logits, logprobs_from_logits
-from rlgraph.ops.rollout.parts import response_columns
+from rlgraph.ops.rollout.parts import cut_lengths, left_pad, response_columns
 from rlgraph.ops.train.sequences import pack, repack
 
 
@@ -50,3 +50,34 @@ def test_response_columns_match_the_row_loop(d, with_log_probs):
         assert len(got[k]) == len(want[k])
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got[k], want[k])), k
     assert response_columns([], [], [], None) == {k: [] for k in want}
+
+
+def test_left_pad_matches_the_row_loop(d):
+    for pad in (0, 5):
+        got, want = left_pad(d["prompts"], pad), rowloops.left_pad_loop(d["prompts"], pad)
+        assert all(torch.equal(a, b) and a.dtype == b.dtype == torch.long for a, b in zip(got, want))
+    ids, mask = left_pad([torch.tensor([7], dtype=torch.int32)], 0)  # any integer dtype in, long out
+    assert ids.tolist() == [[7]] and mask.tolist() == [[1]] and ids.dtype == torch.long
+
+
+@pytest.mark.parametrize("stop", [{1, 2}, {1}, set(), {None, 3}, {999}])
+def test_cut_lengths_match_the_row_loop(d, stop):
+    got = [row[:k] for row, k in zip(d["generated"], cut_lengths(d["generated"], stop))]
+    want = rowloops.cut_loop(d["generated"], stop)
+    assert [r.tolist() for r in got] == [r.tolist() for r in want]
+    assert cut_lengths(torch.tensor([[5, 1, 1], [1, 5, 5], [5, 5, 5]]), {1}) == [2, 1, 3]
+    assert cut_lengths(torch.zeros(0, 4, dtype=torch.long), {1}) == []
+
+
+def test_converting_per_row_outputs_gives_what_the_row_loop_gives(d):
+    from rlgraph.runtime.invoke import _convert
+
+    args = rowloops._convert_args(d["responses"])
+    got = _convert(*args)
+    assert all(a is b for a, b in zip(got, d["responses"]))  # already long tensors: taken as they are
+    as_int = [r.int() for r in d["responses"]]
+    got = _convert(*args[:3], as_int, *args[4:])
+    want = rowloops.convert_loop(as_int, torch.long)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype == torch.long for a, b in zip(got, want))
+    got = _convert(*args[:3], [r.tolist() for r in d["responses"]], *args[4:])  # lists become tensors
+    assert all(torch.equal(a, b) and a.dtype == torch.long for a, b in zip(got, d["responses"]))
