@@ -41,6 +41,7 @@ __all__ = [
     "tokenizer_at",
     "build_tiny_model",
     "load_tokenizer",
+    "TokenizerClasses",
     "load_causal_lm",
     "REAL_SHAPES",
     "build_shaped_model",
@@ -228,20 +229,98 @@ def tokenizer_at(path: str | Path) -> Any:
 
 
 def load_tokenizer(path: str | Path, padding_side: Literal["left", "right"] | None = None) -> Any:
-    """The tokenizer saved in `path` (local files only). `padding_side` overrides the saved one."""
-    from transformers import AutoTokenizer
+    """The tokenizer saved in `path` (local files only), as ``AutoTokenizer`` loads it. `padding_side`
+    overrides the saved one.
 
+    ``from transformers import AutoTokenizer`` imports transformers' model machinery with it
+    (``torch._dynamo``, DTensor: ~2 s of CPU), which a process that only tokenises (the driver's
+    preflight, the data source, the reward worker) does not need. So the class AutoTokenizer picks
+    for a directory is remembered (`TokenizerClasses`, keyed by the directory's files and the
+    transformers version) and later loads call that class's ``from_pretrained`` directly, which
+    is what AutoTokenizer ends with."""
     p = _check_dir(path, "tokenizer", ())
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelLoadError(f"{str(p)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json); "
                              f"save one with tokenizer.save_pretrained({str(p)!r})")
-    try:
-        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the tokenizer in {str(p)!r}: {e}") from e
+    classes = TokenizerClasses()
+    tok = classes.load(p)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load the tokenizer in {str(p)!r}: {e}") from e
+        classes.remember(p, type(tok))
     if padding_side is not None:
         tok.padding_side = padding_side
     return tok
+
+
+class TokenizerClasses:
+    """Which tokenizer class ``AutoTokenizer`` chose for a local directory, in a JSON file of the
+    user's cache (``$XDG_CACHE_HOME/rlgraph``, default ``~/.cache/rlgraph``). A directory's entry
+    is keyed by the name, size and modification time of each of its files and the transformers
+    version, so any change to the directory or to transformers makes AutoTokenizer choose again.
+    Writes are atomic (several processes load at once); a lost write only costs one slow load."""
+
+    FILE = "tokenizer_classes.json"
+    KEEP = 256  # entries kept, the newest (each test run's temporary directories add theirs)
+
+    def __init__(self) -> None:
+        self.path = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rlgraph" / self.FILE
+
+    @staticmethod
+    def key(directory: Path) -> str:
+        import hashlib
+        import json
+        from importlib.metadata import version
+
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
+        text = json.dumps([str(directory.resolve()), version("transformers"), files])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _read(self) -> dict[str, str]:
+        import json
+
+        try:
+            return dict(json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def load(self, directory: Path) -> Any:
+        """The tokenizer in `directory` through its remembered class, or None (not remembered, or
+        the class no longer loads it: AutoTokenizer decides again)."""
+        import importlib
+
+        ref = self._read().get(self.key(directory))
+        if not ref:
+            return None
+        module, _, name = ref.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+            return cls.from_pretrained(directory, local_files_only=True)
+        except Exception:  # e.g. the class moved in another transformers: the slow path says what is wrong
+            return None
+
+    def remember(self, directory: Path, cls: type) -> None:
+        import json
+
+        entries = self._read()
+        key = self.key(directory)
+        entries.pop(key, None)
+        entries[key] = f"{cls.__module__}:{cls.__qualname__}"  # the newest last
+        entries = dict(list(entries.items())[-self.KEEP:])
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tokenizer_classes.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError:  # a read-only cache: every load takes the slow path
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:

@@ -54,6 +54,69 @@ def test_tokenizer_round_trips_through_save_pretrained(tmp_path):
     assert loaded.get_vocab() == tok.get_vocab()
 
 
+def _same_tokenizer(a, b):
+    assert type(a) is type(b)
+    assert a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
+    assert (a.padding_side, a.truncation_side, a.model_max_length) == (b.padding_side, b.truncation_side,
+                                                                      b.model_max_length)
+    assert a.chat_template == b.chat_template
+    assert models.encode_prompt(a, USER) == models.encode_prompt(b, USER)
+
+
+def test_a_tokenizer_loads_through_the_class_autotokenizer_chose_until_its_directory_changes(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    models.char_tokenizer(padding_side="right").save_pretrained(tmp_path / "tok")
+    classes = models.TokenizerClasses()
+    assert classes.path == tmp_path / "cache" / "rlgraph" / "tokenizer_classes.json"
+    assert classes.load(tmp_path / "tok") is None  # nothing remembered yet
+    first = models.load_tokenizer(tmp_path / "tok")  # AutoTokenizer's, remembered
+    assert classes.load(tmp_path / "tok") is not None
+    _same_tokenizer(first, AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True))
+    calls = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or first)
+    _same_tokenizer(models.load_tokenizer(tmp_path / "tok"), first)
+    assert calls == []  # through the remembered class
+    (tmp_path / "tok" / "extra.txt").write_text("a change")  # any change to the directory: AutoTokenizer again
+    models.load_tokenizer(tmp_path / "tok")
+    assert len(calls) == 1
+
+
+def test_a_remembered_class_that_no_longer_loads_falls_back_to_autotokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    models.char_tokenizer().save_pretrained(tmp_path / "tok")
+    classes = models.TokenizerClasses()
+    classes.path.parent.mkdir(parents=True)
+    classes.path.write_text("{not json")  # a broken file is no entry
+    assert classes.load(tmp_path / "tok") is None
+    classes.remember(tmp_path / "tok", type("Gone", (), {"__module__": "no_such_module_here"}))
+    assert classes.load(tmp_path / "tok") is None
+    _same_tokenizer(models.load_tokenizer(tmp_path / "tok"), models.char_tokenizer())
+    assert "tokenization" in classes.path.read_text()  # the slow load wrote the right class back
+    monkeypatch.setattr(models.TokenizerClasses, "KEEP", 2)
+    for name in "abc":
+        models.char_tokenizer().save_pretrained(tmp_path / name)
+        models.load_tokenizer(tmp_path / name)
+    assert [classes.load(tmp_path / n) is not None for n in ("tok", "a", "b", "c")] == [False, False, True, True]
+
+
+def test_a_remembered_tokenizer_loads_without_transformers_model_machinery(tmp_path):
+    """The point of remembering: a process that only tokenises imports no torch._dynamo or DTensor."""
+    import subprocess
+    import sys
+
+    models.char_tokenizer().save_pretrained(tmp_path / "tok")
+    code = ("import sys; from rlgraph.ops.models import load_tokenizer; load_tokenizer(sys.argv[1]); "
+            "print(sorted(m for m in ('torch._dynamo', 'transformers.models.auto.auto_factory') if m in sys.modules))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path / "tok")], capture_output=True, text=True,
+                           env=env, timeout=120) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert runs[0].stdout.split()[-1] != "[]"  # the first load asks AutoTokenizer ...
+    assert runs[1].stdout.strip().splitlines()[-1] == "[]"  # ... the second does not
+
+
 def test_task_characters_are_in_the_default_vocabulary():
     assert set(tasks.TASK_CHARS) <= set(models.DEFAULT_CHARS)
 
