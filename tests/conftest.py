@@ -9,10 +9,18 @@ fixture shuts down only what it started.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Ray reads this when it is first imported, so set it before anything imports ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# rlgraph's own cache (the tokenizer classes AutoTokenizer chose, rlgraph.ops.models): the tests'
+# many temporary tokenizers stay out of the user's, and the user's entries cannot change a test
+if "RLGRAPH_CACHE" not in os.environ:
+    os.environ["RLGRAPH_CACHE"] = tempfile.mkdtemp(prefix="rlgraph-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["RLGRAPH_CACHE"], True)
 
 import pytest  # noqa: E402
 

@@ -258,33 +258,45 @@ def load_tokenizer(path: str | Path, padding_side: Literal["left", "right"] | No
 
 
 class TokenizerClasses:
-    """Which tokenizer class ``AutoTokenizer`` chose for a local directory, in a JSON file of the
-    user's cache (``$XDG_CACHE_HOME/rlgraph``, default ``~/.cache/rlgraph``). A directory's entry
-    is keyed by the name, size and modification time of each of its files and the transformers
-    version, so any change to the directory or to transformers makes AutoTokenizer choose again.
-    Writes are atomic (several processes load at once); a lost write only costs one slow load."""
+    """Which tokenizer class ``AutoTokenizer`` chose for a local directory, in a JSON file of
+    rlgraph's cache (``$RLGRAPH_CACHE``, else ``$XDG_CACHE_HOME/rlgraph``, else ``~/.cache/rlgraph``;
+    the tests point ``RLGRAPH_CACHE`` at a temporary directory). A directory's entry
+    is keyed by its resolved path, the name, size and modification time of each of its top-level
+    files, and the transformers version: a change there makes AutoTokenizer choose again (the class
+    AutoTokenizer picks depends on these files, ``tokenizer_config.json`` and ``config.json``).
+    Writes are atomic (several processes load at once); a lost write only costs one slow load, and
+    anything that fails here (no home directory, an unreadable directory, a broken file) means
+    "nothing remembered"."""
 
     FILE = "tokenizer_classes.json"
-    KEEP = 256  # entries kept, the newest (each test run's temporary directories add theirs)
+    KEEP = 256  # entries kept, the most recently used
 
     def __init__(self) -> None:
-        self.path = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rlgraph" / self.FILE
+        try:
+            cache = os.environ.get("RLGRAPH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "rlgraph"
+            self.path: Path | None = Path(cache).expanduser() / self.FILE
+        except RuntimeError:  # no home directory to expand ~ into
+            self.path = None
 
     @staticmethod
-    def key(directory: Path) -> str:
+    def key(directory: Path) -> str | None:
         import hashlib
         import json
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
-        text = json.dumps([str(directory.resolve()), version("transformers"), files])
+        try:
+            files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
+            text = json.dumps([str(directory.resolve()), version("transformers"), files])
+        except (OSError, PackageNotFoundError):  # unreadable, or changing while read
+            return None
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _read(self) -> dict[str, str]:
         import json
 
         try:
-            return dict(json.loads(self.path.read_text()))
+            entries = json.loads(self.path.read_text()) if self.path is not None else {}
+            return {k: v for k, v in dict(entries).items() if isinstance(v, str)}
         except (OSError, ValueError, TypeError):
             return {}
 
@@ -293,23 +305,33 @@ class TokenizerClasses:
         the class no longer loads it: AutoTokenizer decides again)."""
         import importlib
 
-        ref = self._read().get(self.key(directory))
+        key = self.key(directory)
+        entries = self._read()
+        ref = entries.get(key) if key else None
         if not ref:
             return None
         module, _, name = ref.partition(":")
         try:
             cls = getattr(importlib.import_module(module), name)
-            return cls.from_pretrained(directory, local_files_only=True)
+            tok = cls.from_pretrained(directory, local_files_only=True)
         except Exception:  # e.g. the class moved in another transformers: the slow path says what is wrong
             return None
+        if list(entries)[-1] != key:  # used: kept among the newest
+            self._write(key, ref, entries)
+        return tok
 
     def remember(self, directory: Path, cls: type) -> None:
+        key = self.key(directory)
+        if key:
+            self._write(key, f"{cls.__module__}:{cls.__qualname__}", self._read())
+
+    def _write(self, key: str, ref: str, entries: dict[str, str]) -> None:
         import json
 
-        entries = self._read()
-        key = self.key(directory)
+        if self.path is None:
+            return
         entries.pop(key, None)
-        entries[key] = f"{cls.__module__}:{cls.__qualname__}"  # the newest last
+        entries[key] = ref  # the newest last
         entries = dict(list(entries.items())[-self.KEEP:])
         tmp = None
         try:

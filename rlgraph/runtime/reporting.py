@@ -27,7 +27,7 @@ class _Many(Reporter):
         self.reporters = reporters
 
     def __getattribute__(self, name: str):
-        if name in ("start", "step_started", "chunk_done", "step_done", "fault", "phase", "close"):
+        if name in ("start", "step_started", "chunk_done", "step_done", "checkpoint", "fault", "phase", "close"):
             def fan_out(*a: Any, **k: Any) -> None:
                 reporters = object.__getattribute__(self, "reporters")
                 for r in list(reporters):

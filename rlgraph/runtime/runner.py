@@ -157,11 +157,11 @@ class Runner:
         if self.opts.keep_records:
             records.append(record)
         self._heads[step] = {k: record[k] for k in self.headline if k in record}
-        # written: a failure from here on (the checkpoint gathers every actor's state) replays this
-        # step without writing it again
+        # written: a failure from here on (the checkpoint gathers every actor's state) replays it unwritten
         self._next = step + 1
         self.reporter.step_done(record)
         if self.save_every and (step + 1) % self.save_every == 0:
+            self.reporter.checkpoint(step)  # a resume starts after it: the trackers must have it all
             states = self.fleet.states()
             states[VERSIONS] = self.weights.checkpoint_entry()  # versions later steps still read
             write_checkpoint(out, step, states, self.plan, keep=self.keep)

@@ -66,6 +66,7 @@ def _same_tokenizer(a, b):
 def test_a_tokenizer_loads_through_the_class_autotokenizer_chose_until_its_directory_changes(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
+    monkeypatch.delenv("RLGRAPH_CACHE", raising=False)  # the default place: under XDG_CACHE_HOME
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     models.char_tokenizer(padding_side="right").save_pretrained(tmp_path / "tok")
     classes = models.TokenizerClasses()
@@ -84,9 +85,10 @@ def test_a_tokenizer_loads_through_the_class_autotokenizer_chose_until_its_direc
 
 
 def test_a_remembered_class_that_no_longer_loads_falls_back_to_autotokenizer(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("RLGRAPH_CACHE", str(tmp_path / "cache"))
     models.char_tokenizer().save_pretrained(tmp_path / "tok")
     classes = models.TokenizerClasses()
+    assert classes.path == tmp_path / "cache" / "tokenizer_classes.json"
     classes.path.parent.mkdir(parents=True)
     classes.path.write_text("{not json")  # a broken file is no entry
     assert classes.load(tmp_path / "tok") is None
@@ -109,7 +111,7 @@ def test_a_remembered_tokenizer_loads_without_transformers_model_machinery(tmp_p
     models.char_tokenizer().save_pretrained(tmp_path / "tok")
     code = ("import sys; from rlgraph.ops.models import load_tokenizer; load_tokenizer(sys.argv[1]); "
             "print(sorted(m for m in ('torch._dynamo', 'transformers.models.auto.auto_factory') if m in sys.modules))")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "RLGRAPH_CACHE": str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path / "tok")], capture_output=True, text=True,
                            env=env, timeout=120) for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr

@@ -179,6 +179,21 @@ def test_a_step_s_scalars_are_one_tensorboard_event_and_reach_the_file_while_the
         (0, ["faults/retries", "score/mean", "timing/step_s"]), (1, ["faults/retries", "score/mean", "timing/step_s"])]
 
 
+def test_tensorboard_has_every_step_on_disk_before_a_checkpoint_is_written(pipeline, tmp_path, monkeypatch):
+    from rlgraph.runtime.loggers import TensorBoardLogger
+
+    monkeypatch.setattr(TensorBoardLogger, "FLUSH_S", 3600)  # no timed flush in this test
+    reporter = make_reporter(tmp_path, plan_with(pipeline, "trainer.logger=[tensorboard]"), tty=False)
+    reporter.start(2, 0, ["score/mean"])
+    try:
+        for r in RECORDS:
+            reporter.step_done(r)
+        reporter.checkpoint(1)  # what the runner calls before it writes the checkpoint of step 1
+        assert read_tensorboard(tmp_path / "tensorboard")[0]["score/mean"] == [(0, 0.25), (1, 0.75)]
+    finally:
+        reporter.close()
+
+
 def test_tensorboard_after_a_resume_shows_the_checkpointed_steps_then_the_new_ones(pipeline, tmp_path):
     plan = plan_with(pipeline, "trainer.logger=[tensorboard]")
     run_reporter(make_reporter(tmp_path, plan, tty=False))  # steps 0, 1; say the checkpoint is after step 0
