@@ -102,8 +102,9 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
     wall = statistics.median(x["wall to step 0's end"] for x in got["rlgraph"])
     notes = (f"Start-up {lean:.1f} s against {full:.1f} s with tensordict imported as it is. The machine was busy "
              f"{cpu:.0f} CPU seconds until step 0 ended, {cpu / (wall * cores):.0%} of its {cores} cores over those "
-             f"{wall:.1f} s: start-up is bound by the CPU (seven Python processes each import torch, three of them "
-             f"transformers), so it shortens by what the processes stop doing, not by starting them in another order. "
+             f"{wall:.1f} s: start-up is bound by the CPU (seven Python processes each import torch; the actor "
+             f"imports transformers' model code, the driver, data source and reward worker only its tokenizers), so it "
+             f"shortens by what the processes stop doing, not by starting them in another order. "
              f"Target (issue 25): 8 s.")
     return common.Section("startup", "17. Start-up, phase by phase", __doc__.split("\n\n", 1)[1], [table], notes,
                           common.command_line(argv or ["startup"]))
