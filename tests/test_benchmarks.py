@@ -72,7 +72,7 @@ def test_padding_and_scale_quick(tmp_path):
         samples, m, padded, pad = num(r[3]), num(r[4]), num(r[5]), num(r[6])
         assert padded == samples + pad and padded % m == 0 and 0 <= pad < m
     rows = table_rows(text, "scale")
-    assert rows[0][0] == "ops" and len(rows) == 2 + 7
+    assert rows[0][0] == "ops" and len(rows) == 2 + 4
     assert all(num(r[2]) > 0 and num(r[8]) > 0 for r in rows[2:])
     assert "Reproduce: `.venv/bin/python -m benchmarks.run padding --quick`" in text
 
