@@ -187,14 +187,14 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
                       f"entry per row")
     if col.dtype in ("str", "json", "opaque"):
         return list(value)
+    dtype = TORCH_DTYPES[col.dtype]
     ragged = [(axis, d) for axis, d in enumerate(col.shape) if isinstance(d, str)]
     if isinstance(value, torch.Tensor) and ragged and ragged[0][1] in lengths:
         lens = lengths[ragged[0][1]]
         axis = ragged[0][0]
-        value = value.to(TORCH_DTYPES[col.dtype])  # once for the call, not once per row
+        value = value.to(dtype)  # once for the call, not once per row
         width = value.shape[axis + 1]
         return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens, strict=True)]
-    dtype = TORCH_DTYPES[col.dtype]
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
     if all(type(v) is torch.Tensor and v.dtype is dtype for v in value):  # as they are (what the line below gives)

@@ -522,11 +522,11 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         """(global indexes, home units or None) of `rows`, for the workers' `learn`; None when this
         plane does not know them all (a partition it did not create, or one cleared)."""
         known = self._rows.get(partition)
-        try:
-            entries = [known[int(r)] for r in rows] if known is not None else None
-        except KeyError:
+        if known is None:
             return None
-        if entries is None:
+        try:
+            entries = [known[int(r)] for r in rows]
+        except KeyError:
             return None
         return [e[0] for e in entries], [e[1].get("unit") for e in entries]
 
