@@ -66,6 +66,7 @@ from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E4
 )
 
 from rlgraph.runtime.dataplane import cells, guard  # noqa: E402
+from rlgraph.runtime.dataplane.wire import WATCH_S, Wire  # noqa: E402
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
     DataPlane,
@@ -86,7 +87,6 @@ __all__ = [
     "tq_resource_problems",
 ]
 
-WATCH_S = 1.0  # how often a driver-side wait asks whether a plane actor died
 CONTROLLER_NAME = "TransferQueueController"  # fixed by tq.init
 CONTROLLER_NAMESPACE = "transfer_queue"
 STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"  # fixed by TQ's SimpleStorage bootstrap
@@ -176,6 +176,7 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         # unit rank -> its storage id (TQ's bootstrap names units by rank; fall back to its order)
         self.unit_ids: list[str] = ranked if all(ranked) else list(self.storage_unit_infos)
         self._home: dict[int, int] = {}
+        self._wire_: Wire | None = None  # put and get requests, sent from the calling thread
 
     def learn(self, global_indexes: list[int], custom_meta: list[dict[str, Any]]) -> None:
         """Remember the home unit of each row whose custom metadata names one."""
@@ -207,8 +208,10 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         self._learn(metadata)
         await super().clear_data(metadata)
 
-    async def put_cells(self, metadata: BatchMeta, cells: dict[str, list[bytes]]) -> None:
-        """Store encoded cells (`rlgraph.runtime.dataplane.cells`), each row on its home unit.
+    def put_cells(self, metadata: BatchMeta, cells: dict[str, list[bytes]], timeout_s: float, what: str,
+                  watch: Callable[[], list[str]] | None = None) -> None:
+        """Store encoded cells (`rlgraph.runtime.dataplane.cells`), each row on its home unit,
+        from the calling thread (`wire`).
 
         TQ's own ``put_data`` takes a TensorDict and then tells the controller which fields each
         row now has (a round trip per put). rlgraph does not read the controller's production
@@ -216,32 +219,39 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         from the controller's key table whatever was written, so only the units are sent to."""
         self._learn(metadata)
         routing = self._group_by_hash(metadata.global_indexes)
-        tasks = []
-        for unit, group in routing.items():
-            data = cells if len(routing) == 1 else {f: [v[p] for p in group.batch_positions] for f, v in cells.items()}
-            tasks.append(self._request_with_retry(
-                "put", unit, f"samples={len(group.global_indexes)} fields={list(cells)}",
-                partial(self._put_to_single_storage_unit, group.global_indexes, data, target_storage_unit=unit)))
-        await _all(tasks)
+        self._wire().put({unit: (group.global_indexes, cells if len(routing) == 1 else
+                                 {f: [v[p] for p in group.batch_positions] for f, v in cells.items()})
+                          for unit, group in routing.items()}, timeout_s, what, watch)
 
-    async def get_cells(self, metadata: BatchMeta, fields: list[str]) -> dict[str, list[Any]]:
+    def get_cells(self, metadata: BatchMeta, fields: list[str], timeout_s: float, what: str,
+                  watch: Callable[[], list[str]] | None = None) -> dict[str, list[Any]]:
         """The stored cells of `fields` for the rows of `metadata`, in its row order."""
         self._learn(metadata)
         routing = self._group_by_hash(metadata.global_indexes)
-        results = await _all([
-            self._request_with_retry(
-                "get", unit, f"samples={len(group.global_indexes)} fields={fields}",
-                partial(self._get_from_single_storage_unit, group.global_indexes, fields, target_storage_unit=unit))
-            for unit, group in routing.items()])
+        results = self._wire().get({unit: (group.global_indexes, fields) for unit, group in routing.items()},
+                                   timeout_s, what, watch)
         if len(routing) == 1:
-            return {f: list(results[0][1][f]) for f in fields}
+            data = next(iter(results.values()))
+            return {f: list(data[f]) for f in fields}
         out: dict[str, list[Any]] = {f: [None] * len(metadata.global_indexes) for f in fields}
-        for group, (_, data) in zip(routing.values(), results):
+        for unit, group in routing.items():
+            data = results[unit]
             for f in fields:
                 column, values = out[f], data[f]
                 for i, p in enumerate(group.batch_positions):
                     column[p] = values[i]
         return out
+
+    def _wire(self) -> Wire:
+        if self._wire_ is None:
+            self._wire_ = Wire(self.storage_manager_id, self.storage_unit_infos)
+        return self._wire_
+
+    def close(self) -> None:
+        if getattr(self, "_wire_", None) is not None:
+            self._wire_.close()
+            self._wire_ = None
+        super().close()
 
     def _group_by_hash(self, global_indexes: list[int]) -> dict[str, RoutingGroup]:
         gis: dict[str, list[int]] = {}
@@ -351,8 +361,11 @@ class _TQClient(DataPlaneClient):
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
 
     def _run(self, coro: Awaitable[Any], what: str, nbytes: int = 0) -> Any:
+        return self._loop.run(coro, self._op_timeout(nbytes), what, self._watch)
+
+    def _op_timeout(self, nbytes: int = 0) -> float:
         # a large payload gets longer than the op timeout: at least 20 MB/s on top of it
-        return self._loop.run(coro, self._timeout + nbytes / 20e6, what, self._watch)
+        return self._timeout + nbytes / 20e6
 
     def _meta(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...] = ()) -> BatchMeta:
         """A TQ BatchMeta for `rows` of `partition`: their global indexes, looked up by key on the
@@ -400,8 +413,8 @@ class _TQClient(DataPlaneClient):
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
         encoded = {name: cells.encode(col) for name, col in columns.items()}
-        self._run(self._manager.put_cells(meta, encoded), f"put columns {sorted(columns)} to partition {partition!r}",
-                  nbytes=sum(len(c) for column in encoded.values() for c in column))
+        self._manager.put_cells(meta, encoded, self._op_timeout(sum(len(c) for column in encoded.values() for c in column)),
+                                f"put columns {sorted(columns)} to partition {partition!r}", self._watch)
         self._count_locality(meta, encoded)
 
     def _count_locality(self, meta: BatchMeta, encoded: dict[str, list[Any]]) -> None:
@@ -417,8 +430,8 @@ class _TQClient(DataPlaneClient):
     def _get(self, partition: str, rows: tuple[int, ...], columns: tuple[str, ...]) -> dict[str, ColumnData]:
         meta = self._meta(partition, rows, columns)
         try:
-            got = self._run(self._manager.get_cells(meta, list(columns)),
-                            f"get columns {list(columns)} of partition {partition!r}")
+            got = self._manager.get_cells(meta, list(columns), self._timeout,
+                                          f"get columns {list(columns)} of partition {partition!r}", self._watch)
         except DataPlaneError:
             raise
         except Exception as e:  # TQ raises StorageKeyNotFoundError / RuntimeError for missing cells
