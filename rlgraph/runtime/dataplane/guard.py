@@ -32,6 +32,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import threading
+import weakref
 from typing import Any
 
 import zmq
@@ -48,7 +49,7 @@ TQ_SOCKET_MODULES = ("transfer_queue.utils.zmq_utils", "transfer_queue.controlle
 _lock = threading.Lock()
 _secret: str | None = None
 _original: Any = None  # TQ's create_zmq_socket
-_handlers: dict[int, Any] = {}  # id(context) -> its ZAP handler thread
+_handlers: dict[int, Any] = {}  # id(context) -> (the context, weakly; its ZAP handler thread)
 
 
 def new_secret() -> str:
@@ -106,13 +107,15 @@ def _admits(frames: list[bytes]) -> bool:
 def _zap_handler(ctx: zmq.Context) -> None:
     """Start the ZAP handler of `ctx` once, before any of its sockets accepts a peer."""
     key = id(ctx)
-    if key in _handlers:
+    known = _handlers.get(key)
+    # the id of a context that has gone may be given to a new one: the handler must be this one's
+    if known is not None and known[0]() is ctx and known[1].is_alive():
         return
     handler = _ZapHandler(ctx)
     handler.start()
     if not handler.bound.wait(10) or handler.error is not None:
         raise RuntimeError(f"the data plane's authentication handler did not start: {handler.error!r}")
-    _handlers[key] = handler
+    _handlers[key] = (weakref.ref(ctx), handler)
 
 
 def guarded_socket(ctx: zmq.Context, socket_type: Any, ip: str, identity: bytes | None = None) -> zmq.Socket:

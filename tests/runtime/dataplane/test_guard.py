@@ -108,3 +108,33 @@ def test_install_refuses_a_short_secret():
 
     with pytest.raises(ValueError, match="at least 16 characters"):
         guard.install("short")
+
+
+def test_a_context_given_the_id_of_one_that_has_gone_gets_a_handler_of_its_own(tq_plane):
+    """Python may give a new context the id of a terminated one; the new one must still admit the
+    run's clients (before the fix its listening sockets had no handler and every handshake hung)."""
+    import threading
+    import weakref
+
+    import zmq
+
+    from rlgraph.runtime.dataplane import guard
+
+    server_ctx, client_ctx, gone = zmq.Context(), zmq.Context(), zmq.Context()
+    finished = threading.Thread(target=lambda: None)
+    finished.start()
+    finished.join()
+    guard._handlers[id(server_ctx)] = (weakref.ref(gone), finished)  # what the gone context left behind
+    router = guard.guarded_socket(server_ctx, zmq.ROUTER, "127.0.0.1")
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = guard.guarded_socket(client_ctx, zmq.DEALER, "127.0.0.1", identity=b"TQ_STORAGE_guard_test")
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hello")
+        assert router.poll(5000), "the run's own client was not admitted"
+        assert router.recv_multipart()[-1] == b"hello"
+    finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
+        for c in (server_ctx, client_ctx, gone):
+            c.term()
