@@ -8,7 +8,6 @@ row copies the same tensor (or the same per-row tensors) in memory: the ceiling.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Any
@@ -69,39 +68,88 @@ def time_memcpy(col: Any, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+class _BytesOnly:
+    """The TransferQueue plane with its shared memory switched off for each call: the same plane,
+    client and storage units, so the two rows differ only in where the large columns' bytes go."""
+
+    def __init__(self, plane: Any) -> None:
+        self.plane = plane
+
+    def _call(self, name: str, *args: Any) -> Any:
+        segments, self.plane._segments = self.plane._segments, None
+        try:
+            return getattr(self.plane, name)(*args)
+        finally:
+            self.plane._segments = segments
+
+    def create_partition(self, *args: Any) -> None:
+        self.plane.create_partition(*args)
+
+    def clear(self, partition: str) -> None:
+        self.plane.clear(partition)
+
+    def put(self, *args: Any) -> None:
+        self._call("put", *args)
+
+    def get(self, *args: Any) -> Any:
+        return self._call("get", *args)
+
+
+SHARED = "TransferQueue + shared memory"
+BYTES = "TransferQueue, bytes only"
+RAY = "Ray object store"
+
+
 def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.Section:
     sizes = [(1, 16), (64, 256), (256, 2048)] if quick else [(1, 16), (64, 256), (256, 2048), (1024, 4096)]
     repeats = 2 if quick else 5
-    planes = {"TransferQueue": common.plane("transferqueue"), "Ray object store": common.plane("ray")}
-    t = common.Table(["column", "rows x mean width", "bytes", "backend", "put MB/s", "get MB/s", "put ms", "get ms"])
-    summary: dict[tuple[str, int], dict[str, float]] = {}
+    tq = common.plane("transferqueue")
+    planes = {BYTES: _BytesOnly(tq), RAY: common.plane("ray")}
+    if tq.uses_shared_memory():  # one node with /dev/shm (else the shared row would repeat the bytes row)
+        planes = {SHARED: tq, **planes}
+    t = common.Table(["column", "rows x mean width", "bytes", "backend", "put MB/s", "get MB/s", "put ms", "get ms",
+                      "put / memcpy", "get / memcpy"])
+    summary: dict[tuple[str, int], dict[str, tuple[float, float]]] = {}
     for kind in ("dense", "ragged"):
         for rows, width in sizes:
             col = make_column(kind, rows, width)
             b = nbytes(col)
-            for name, plane in planes.items():
-                put, get = time_plane(plane, col, rows, repeats)
-                t.add(kind, f"{rows} x {width}", b, name, b / put / 1e6, b / get / 1e6, 1000 * put, 1000 * get)
-                summary.setdefault((kind, b), {})[name] = b / get / 1e6
+            times: dict[str, list[tuple[float, float]]] = {name: [] for name in planes}
+            for _ in range(3):  # the backends alternate, so that the machine's noise falls on all of them
+                for name, plane in planes.items():
+                    times[name].append(time_plane(plane, col, rows, max(1, repeats // 2)))
             cp = time_memcpy(col, repeats * 4)
-            t.add(kind, f"{rows} x {width}", b, "memcpy", b / cp / 1e6, b / cp / 1e6, 1000 * cp, 1000 * cp)
-            summary[(kind, b)]["memcpy"] = b / cp / 1e6
-            print(f"  {kind} {rows}x{width}: {summary[(kind, b)]}", flush=True)
+            for name in planes:
+                put = statistics.median(x[0] for x in times[name])
+                get = statistics.median(x[1] for x in times[name])
+                t.add(kind, f"{rows} x {width}", b, name, b / put / 1e6, b / get / 1e6, 1000 * put, 1000 * get,
+                      f"{cp / put:.1%}", f"{cp / get:.1%}")
+                summary.setdefault((kind, b), {})[name] = (put, get)
+            t.add(kind, f"{rows} x {width}", b, "memcpy", b / cp / 1e6, b / cp / 1e6, 1000 * cp, 1000 * cp, "", "")
+            summary[(kind, b)]["memcpy"] = (cp, cp)
+            print(f"  {kind} {rows}x{width}: " + ", ".join(f"{k} put {v[0] * 1e3:.2f} ms get {v[1] * 1e3:.2f} ms"
+                                                         for k, v in summary[(kind, b)].items()), flush=True)
     t.print()
-    big = max(summary)  # the largest dense or ragged column measured
-    s = summary[big]
-    intro = """
+    first = next(iter(planes))
+    intro = f"""
 Put then get of one float32 column for all rows of a fresh partition, from the benchmark's own
 process (a data-plane client like any worker; the planes' storage runs in Ray actors on the same
 machine). Dense: a `[rows, width]` tensor; ragged: one tensor per row, log-normal lengths with mean
-`width`. Median of the repeats after one warm-up round; MB = 10^6 bytes. memcpy: `copy_()` of
-the same tensor(s) into memory allocated beforehand (put and get columns show the same copy).
-"""
-    notes = (f"Largest {big[0]} column ({big[1] / 1e6:.1f} MB), get throughput: TransferQueue "
-             f"{s['TransferQueue']:.0f} MB/s, Ray object store {s['Ray object store']:.0f} MB/s, memcpy "
-             f"{s['memcpy']:.0f} MB/s. Every put or get has a fixed cost of a few milliseconds (the 1-row row), "
-             f"so ops should move many rows per call.")
-    if any(math.isnan(v) for v in s.values()):  # pragma: no cover
-        notes = ""
-    return common.Section("dataplane", "4. Data plane: put and get", intro, [t], notes,
+`width`. Median over the repeats after one warm-up round, the backends alternating; MB = 10^6
+bytes. memcpy: `copy_()` of the same tensor(s) into memory allocated beforehand (put and get
+columns show the same copy); "/ memcpy" is memcpy's time over the backend's.
+{SHARED!r}: the default on one node, where tensor columns of at least 64 KiB go through `/dev/shm`
+(`rlgraph.runtime.dataplane.shm`); {BYTES!r}: the same plane with that switched off
+(`dataplane.shared_memory=false`, and what several nodes get).
+""".replace("'", "")
+    one = summary[min(k for k in summary if k[0] == "dense")][first]
+    notes = [f"Fixed cost of a put plus a get (the 1-row dense column, {first}): {1e3 * sum(one):.2f} ms "
+             f"(target < 1 ms)."]
+    for kind in ("dense", "ragged"):
+        big = max(k for k in summary if k[0] == kind)
+        cp = summary[big]["memcpy"][0]
+        notes.append(f"Largest {kind} column ({big[1] / 1e6:.1f} MB): " + "; ".join(
+            f"{name} put {cp / v[0]:.1%} and get {cp / v[1]:.1%} of memcpy"
+            for name, v in summary[big].items() if name != "memcpy") + " (target 25%).")
+    return common.Section("dataplane", "4. Data plane: put and get", intro, [t], " ".join(notes),
                           common.command_line(argv if argv is not None else ["dataplane"] + (["--quick"] if quick else [])))

@@ -104,7 +104,8 @@ def test_dataplane_quick(tmp_path, planes):
     doc = tmp_path / "perf.md"
     common.write_section(dataplane.run(quick=True), doc)
     rows = table_rows(doc.read_text(), "dataplane")
-    assert {r[3] for r in rows[2:]} == {"TransferQueue", "Ray object store", "memcpy"}
+    assert {r[3] for r in rows[2:]} == {"TransferQueue + shared memory", "TransferQueue, bytes only",
+                                        "Ray object store", "memcpy"}
     assert all(num(r[4]) > 0 and num(r[5]) > 0 for r in rows[2:])
 
 

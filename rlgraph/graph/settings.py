@@ -241,6 +241,9 @@ class DataplaneSettings(Section):
     calls go to workers near their rows) or hash (TransferQueue's own rule, row index modulo units)"""
     cpus_per_unit: float = Field(1.0, ge=0.0)
     """logical CPUs reserved by the controller and by each storage unit"""
+    shared_memory: bool = True
+    """on a one-node cluster, tensor columns of at least 64 KiB per put go through shared memory (/dev/shm)
+    and TransferQueue keeps only their descriptors; off on several nodes whatever this says"""
 
 
 class ClusterSettings(Section):

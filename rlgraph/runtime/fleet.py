@@ -166,7 +166,9 @@ class Fleet:
         t0 = time.time()
         self.plane = self._start_dataplane()
         units = self._storage_units()
-        kind = "Ray object store" if self._backend == "ray" else f"TransferQueue, {units} storage unit(s)"
+        kind = "Ray object store" if self._backend == "ray" else (
+            f"TransferQueue, {units} storage unit(s)"
+            + (", large columns through shared memory" if self.plane.uses_shared_memory() else ""))
         self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s, beside the workers' start)")
 
     def _start_dataplane(self) -> Any:
@@ -174,8 +176,9 @@ class Fleet:
 
         if self._backend == "ray":
             return RayObjectStoreDataPlane.start(op_timeout_s=self.timeout_s)
-        return TransferQueueDataPlane.start(TransferQueueConfig(num_storage_units=self._storage_units(),
-                                                                op_timeout_s=self.timeout_s))
+        return TransferQueueDataPlane.start(TransferQueueConfig(
+            num_storage_units=self._storage_units(), op_timeout_s=self.timeout_s,
+            shared_memory=self.dataplane_settings.shared_memory))
 
     def _storage_units(self) -> int:
         units = self.dataplane_settings.storage_units

@@ -10,8 +10,10 @@ engine) may outlive it too.
 
 `start_reaper` spawns ``python -m rlgraph.runtime.reaper DRIVER_PID`` in a session of its own. While
 the driver lives, the reaper notes the driver's descendants every `POLL_S` seconds (pid and start
-time); when the driver is gone it sends SIGKILL to every noted process still running with the same
-start time (never a recycled pid, never a process this run did not start), and exits. A driver that
+time); when the driver is gone it removes the driver's shared-memory segments (`remove_segments`:
+the data plane's large columns, `rlgraph.runtime.dataplane.shm`), sends SIGKILL to every noted
+process still running with the same start time (never a recycled pid, never a process this run did
+not start), and exits. A driver that
 shuts down normally stops its processes itself; the reaper then finds none left and exits.
 """
 
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["start_reaper", "POLL_S"]
+__all__ = ["start_reaper", "remove_segments", "POLL_S"]
 
 POLL_S = 1.0  # how often the reaper notes the driver's descendants, and checks that it lives
 
@@ -58,6 +60,7 @@ def _watch(driver_pid: int) -> int:
         except psutil.Error:  # a transient read error: look again
             pass
         time.sleep(POLL_S)
+    remove_segments(driver_pid)
     killed = 0
     for pid, created in noted.items():
         try:
@@ -68,6 +71,25 @@ def _watch(driver_pid: int) -> int:
         except psutil.Error:  # gone already, or not ours any more
             pass
     return killed
+
+
+def remove_segments(driver_pid: int, shm_dir: str = "/dev/shm") -> int:
+    """Remove the shared-memory segments of `driver_pid`'s data planes (named
+    ``rlgraph-<driver pid>-...`` by `rlgraph.runtime.dataplane.shm`, which this light process does
+    not import: it would bring torch in); how many."""
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(f"rlgraph-{driver_pid}-"):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 if __name__ == "__main__":

@@ -273,6 +273,10 @@ class DataPlane(DataPlaneClient):
         """The Ray node of each storage unit, in unit order; () when rows cannot be given a home."""
         return ()
 
+    def uses_shared_memory(self) -> bool:
+        """Whether large tensor columns go through shared memory (`rlgraph.runtime.dataplane.shm`)."""
+        return False
+
     @abstractmethod
     def clear(self, partition: str) -> None:
         """Drop ``partition``: its rows, payload and consumption. Unknown partitions are a no-op."""

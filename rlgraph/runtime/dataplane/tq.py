@@ -65,7 +65,7 @@ from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E4
     RoutingGroup,
 )
 
-from rlgraph.runtime.dataplane import cells, guard  # noqa: E402
+from rlgraph.runtime.dataplane import cells, guard, shm  # noqa: E402
 from rlgraph.runtime.dataplane.wire import WATCH_S, Wire  # noqa: E402
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
@@ -106,6 +106,9 @@ class TransferQueueConfig:
     """Limit for ``tq.init`` (7-10 s on a 2-core machine)."""
     op_timeout_s: float = 60.0
     """Limit for each put/get/create/clear round trip."""
+    shared_memory: bool = True
+    """Large tensor columns through shared memory (`rlgraph.runtime.dataplane.shm`) when the Ray
+    cluster has one node and this process is on it."""
 
 
 # --------------------------------------------------------------------------- resources
@@ -192,6 +195,8 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         return self._home.get(global_index, global_index % len(self.unit_ids))
 
     def _learn(self, metadata: BatchMeta) -> None:
+        if len(self.unit_ids) == 1:  # one unit: nothing to route
+            return
         custom = list(getattr(metadata, "custom_meta", None) or [])
         if len(custom) == len(metadata.global_indexes):
             self.learn(list(metadata.global_indexes), custom)
@@ -254,6 +259,8 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         super().close()
 
     def _group_by_hash(self, global_indexes: list[int]) -> dict[str, RoutingGroup]:
+        if len(self.unit_ids) == 1:  # one unit (one per node, on one node): every row goes there
+            return {self.unit_ids[0]: RoutingGroup(list(global_indexes), list(range(len(global_indexes))))}
         gis: dict[str, list[int]] = {}
         pos: dict[str, list[int]] = {}
         for p, g in enumerate(global_indexes):
@@ -327,7 +334,8 @@ def _actor_nodes(actors: list[Any]) -> tuple[str, ...]:
 class _TQClient(DataPlaneClient):
     """Worker side: an ``AsyncTransferQueueClient`` (TQ's public async client) on our loop."""
 
-    def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = (), secret: str = "") -> None:
+    def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = (), secret: str = "",
+                 shm_prefix: str = "") -> None:
         if secret:  # the plane's sockets admit only clients presenting it (`guard`)
             guard.install(secret)
         self._timeout = op_timeout_s
@@ -359,6 +367,8 @@ class _TQClient(DataPlaneClient):
         self._manager: _HomedStorageManager = self._client.storage_manager
         self._rows: dict[str, dict[int, tuple[int, dict[str, Any]]]] = {}  # partition -> row -> (index, custom)
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
+        # large tensor columns through shared memory, on a one-machine plane (`shm`)
+        self._segments: shm.Segments | None = shm.Segments(shm_prefix) if shm_prefix else None
 
     def _run(self, coro: Awaitable[Any], what: str, nbytes: int = 0) -> Any:
         return self._loop.run(coro, self._op_timeout(nbytes), what, self._watch)
@@ -400,6 +410,8 @@ class _TQClient(DataPlaneClient):
 
     def forget(self, partition: str) -> None:
         self._rows.pop(partition, None)
+        if self._segments is not None:
+            self._segments.forget(partition)
 
     def learn(self, partition: str, rows: Sequence[int], addresses: Any) -> None:
         """`addresses`: (global index, home unit or None) of each of `rows`, from the driver's
@@ -412,7 +424,8 @@ class _TQClient(DataPlaneClient):
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
-        encoded = {name: cells.encode(col) for name, col in columns.items()}
+        shared = self._segments.encode(partition, columns) if self._segments is not None else {}
+        encoded = {name: shared[name] if name in shared else cells.encode(col) for name, col in columns.items()}
         self._manager.put_cells(meta, encoded, self._op_timeout(sum(len(c) for column in encoded.values() for c in column)),
                                 f"put columns {sorted(columns)} to partition {partition!r}", self._watch)
         self._count_locality(meta, encoded)
@@ -441,7 +454,7 @@ class _TQClient(DataPlaneClient):
                 f"TransferQueue said: {e}"
             ) from None
         self._count_locality(meta, got)
-        return {c: cells.decode(got[c]) for c in columns}
+        return {c: cells.decode(got[c], self._segments) for c in columns}
 
     def close(self) -> None:
         if self._loop is None:
@@ -449,6 +462,8 @@ class _TQClient(DataPlaneClient):
         self._loop.stop()
         self._client.close()
         self._loop = None
+        if self._segments is not None:
+            self._segments.close()
 
 
 @dataclass(frozen=True)
@@ -459,9 +474,10 @@ class TransferQueueHandle(DataPlaneHandle):
     op_timeout_s: float = 60.0
     unit_nodes: tuple[str, ...] = ()  # the Ray node of each storage unit, in unit order
     secret: str = field(default="", repr=False)  # the plane's per-run secret (`guard`); travels only through Ray
+    shm_prefix: str = ""  # the names of the plane's shared-memory segments; "" when it uses none (`shm`)
 
     def connect(self) -> DataPlaneClient:
-        return _TQClient(self.controller, self.op_timeout_s, self.unit_nodes, self.secret)
+        return _TQClient(self.controller, self.op_timeout_s, self.unit_nodes, self.secret, self.shm_prefix)
 
 
 class TransferQueueDataPlane(_TQClient, DataPlane):
@@ -469,7 +485,8 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
     SimpleStorage units); ``close()`` runs ``tq.close``."""
 
     def __init__(self, controller: Any, config: TransferQueueConfig, secret: str = "") -> None:
-        super().__init__(controller, config.op_timeout_s, secret=secret)
+        self._shm_prefix = _shm_prefix(config)
+        super().__init__(controller, config.op_timeout_s, secret=secret, shm_prefix=self._shm_prefix)
         self._secret = secret
         self._controller = controller
         self.config = config
@@ -563,7 +580,8 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
 
     def handle(self) -> TransferQueueHandle:
-        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes, self._secret)
+        return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes, self._secret,
+                                   self._shm_prefix)
 
     def actors(self) -> dict[str, Any]:
         return dict(self._actors)
@@ -572,8 +590,28 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         if self._closed or os.getpid() != self._owner_pid:
             return
         self._closed = True
-        super().close()
-        tq.close()
+        try:
+            super().close()
+            tq.close()
+        finally:
+            if self._shm_prefix:
+                shm.remove_all(self._shm_prefix)
+
+    def uses_shared_memory(self) -> bool:
+        return bool(self._shm_prefix)
+
+
+def _shm_prefix(config: TransferQueueConfig) -> str:
+    """The segment names of a new plane, or "" when it uses no shared memory: turned off, no
+    ``/dev/shm``, or a Ray cluster of more than one node (a segment lives on one machine). Sweeps
+    away the segments of drivers that died without cleaning up."""
+    if not config.shared_memory or not shm.available():
+        return ""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) != 1 or nodes[0].get("NodeID") != ray.get_runtime_context().get_node_id():
+        return ""
+    shm.sweep()
+    return shm.prefix_for(os.getpid(), uuid.uuid4().hex[:12])
 
 
 def own_timeouts(op_timeout_s: float) -> None:

@@ -219,6 +219,32 @@ def test_put_in_one_actor_get_in_another_without_the_driver(plane, workers):
     plane.clear(p)
 
 
+@pytest.mark.ray
+def test_large_columns_cross_processes_through_shared_memory(tq_plane, workers):
+    """On one node the plane writes large tensor columns into /dev/shm and TransferQueue keeps their
+    descriptors; a writer that has closed its client leaves its rows readable until the clear."""
+    from rlgraph.runtime.dataplane import TransferQueueConfig, shm
+    from rlgraph.runtime.dataplane.tq import _shm_prefix
+
+    assert tq_plane.uses_shared_memory()  # the test cluster has one node
+    assert _shm_prefix(TransferQueueConfig(shared_memory=False)) == ""
+    producer, consumer = workers
+    p = _part()
+    tq_plane.create_partition(p, 8)
+    big = torch.randn(8, 8192)  # 256 KiB
+    ragged = [torch.arange(1000 * (i + 1), dtype=torch.int32) for i in range(8)]
+    before = set(os.listdir(shm.SHM_DIR))
+    ray.get(producer.put.remote(tq_plane.handle(), p, list(range(8)),
+                                {"big": big, "ragged": ragged, "small": torch.ones(8)}))
+    made = [n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith(tq_plane._shm_prefix + "-")]
+    assert len(made) == 1  # one segment for the put's two large columns
+    out = ray.get(consumer.get.remote(tq_plane.handle(), p, (7, 0, 3), ["big", "ragged", "small"]))
+    assert _same(out["big"], big[[7, 0, 3]]) and _same(out["small"], torch.ones(3))
+    assert _same(out["ragged"], [ragged[7], ragged[0], ragged[3]])
+    assert _same(tq_plane.get(p, tuple(range(8)), ["big"])["big"], big)  # the driver reads them too
+    tq_plane.clear(p)
+
+
 def _unit_keys(plane) -> list[int]:
     """Rows held by each TransferQueue storage unit, in unit order (the units' own counters)."""
     manager = plane._manager

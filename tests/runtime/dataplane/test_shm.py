@@ -1,0 +1,165 @@
+"""rlgraph.runtime.dataplane.shm: large tensor columns through shared memory, exactly, with
+segments reused once their partition is cleared and removed when their run is over. The
+TransferQueue plane's use of it, across processes, is in test_dataplane.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from rlgraph.runtime.dataplane import cells, shm
+from rlgraph.runtime.dataplane.base import DataPlaneError, _normalize, assemble_rows
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this machine")
+
+
+@pytest.fixture
+def prefix():
+    p = shm.prefix_for(os.getpid(), uuid.uuid4().hex[:12])
+    yield p
+    shm.remove_all(p)
+
+
+def _files(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + "-"))
+
+
+def _put(segments, partition, **columns):
+    rows = len(next(iter(columns.values())))
+    norm = {k: _normalize(k, v, rows) for k, v in columns.items()}
+    shared = segments.encode(partition, norm)
+    return {k: shared[k] if k in shared else cells.encode(c) for k, c in norm.items()}
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+
+
+def test_large_columns_go_through_a_segment_and_come_back_exactly(prefix):
+    segments = shm.Segments(prefix)
+    dense = torch.randn(64, 512)  # 128 KiB
+    ragged = [torch.arange(n * 100, dtype=torch.int64) for n in range(1, 33)]  # 422 KiB
+    small = torch.ones(64, 4)
+    text = [f"row {i}" for i in range(64)]
+    try:
+        encoded = _put(segments, "p", dense=dense, small=small, text=text)
+        assert all(c[0] == ord("m") for c in encoded["dense"])
+        assert all(c[0] == ord("t") for c in encoded["small"])  # below MIN_BYTES: as bytes
+        assert len(encoded["dense"][0]) < 100  # a descriptor, not the row
+        _same(cells.decode(encoded["dense"], segments), dense)
+        _same(cells.decode(encoded["small"], segments), small)
+        assert cells.decode(encoded["text"], segments) == text
+        ragged_cells = _put(segments, "p", ragged=ragged)["ragged"]
+        _same(cells.decode(ragged_cells, segments), ragged)
+        assert len(_files(prefix)) == 2  # one segment per put
+    finally:
+        segments.close()
+
+
+def test_rows_in_any_order_and_mixed_with_byte_rows_decode_as_assemble_rows_says(prefix):
+    segments = shm.Segments(prefix)
+    big = torch.randn(40, 1024)
+    try:
+        shared = _put(segments, "p", x=big)["x"]
+        plain = cells.encode(_normalize("x", big[:3].clone(), 3))
+        order = [5, 2, 39, 0, 1]
+        _same(cells.decode([shared[i] for i in order], segments), big[order])
+        mixed = plain + shared[3:]  # rows 0-2 put as bytes by another call
+        _same(cells.decode(mixed, segments), big)
+        half = torch.randn(40, 1024, dtype=torch.float64)
+        other = _put(segments, "p", x=half)["x"]  # a second put, another dtype
+        _same(cells.decode([shared[0], other[1]], segments), assemble_rows([big[0], half[1]]))
+    finally:
+        segments.close()
+
+
+def test_a_cleared_partition_s_segment_is_written_again_by_the_next_put(prefix):
+    segments = shm.Segments(prefix)
+    try:
+        first = _put(segments, "step_0", x=torch.randn(64, 1024))["x"]
+        assert segments.in_use() == 1
+        segments.forget("step_0")
+        assert (segments.in_use(), segments.free()) == (0, 1)
+        y = torch.randn(60, 1024)  # a little smaller: fits
+        second = _put(segments, "step_1", x=y)["x"]
+        assert len(_files(prefix)) == 1  # no new segment
+        assert first[0][-20:] == second[0][-20:]  # the same segment's name
+        _same(cells.decode(second, segments), y)  # read after the rewrite: the new rows
+    finally:
+        segments.close()
+    # step_1 is not cleared: its segment stays for its readers (the driver removes it with the plane)
+    assert len(_files(prefix)) == 1
+
+
+def test_at_most_keep_free_segments_wait_for_reuse(prefix):
+    segments = shm.Segments(prefix)
+    try:
+        for k in range(shm.KEEP_FREE + 3):
+            _put(segments, f"step_{k}", x=torch.randn(32, 1024))
+        for k in range(shm.KEEP_FREE + 3):
+            segments.forget(f"step_{k}")
+        assert segments.free() == shm.KEEP_FREE
+        assert len(_files(prefix)) == shm.KEEP_FREE
+    finally:
+        segments.close()
+    assert _files(prefix) == []
+
+
+def test_a_full_shared_memory_sends_the_columns_as_bytes(prefix, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    segments = shm.Segments(prefix)
+    x = torch.randn(64, 1024)
+    try:
+        encoded = _put(segments, "p", x=x)["x"]
+        assert encoded[0][0] == ord("t")
+        _same(cells.decode(encoded, segments), x)
+        assert _files(prefix) == []
+    finally:
+        segments.close()
+
+
+def test_a_missing_segment_is_an_error_that_names_it_and_the_setting(prefix):
+    segments = shm.Segments(prefix)
+    try:
+        encoded = _put(segments, "p", x=torch.randn(64, 1024))["x"]
+        shm.remove_all(prefix)
+        reader = shm.Segments(prefix)  # another process's view: nothing mapped yet
+        with pytest.raises(DataPlaneError, match=r"rlgraph-.* does not exist.*dataplane.shared_memory=false"):
+            cells.decode(encoded, reader)
+        with pytest.raises(DataPlaneError, match="reads none"):
+            cells.decode(encoded, None)
+        with pytest.raises(DataPlaneError, match="not the name of an rlgraph"):
+            reader.view("../etc/passwd")
+    finally:
+        segments.close()
+
+
+def test_sweep_removes_the_segments_of_drivers_gone_and_keeps_a_live_one_s(prefix):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(ended.stdout)
+    dead = os.path.join(shm.SHM_DIR, f"{shm.prefix_for(dead_pid, 'ab12')}-{dead_pid}-cd34-0")
+    live = os.path.join(shm.SHM_DIR, f"{prefix}-{os.getpid()}-cd34-0")
+    for path in (dead, live):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        shm.sweep()
+        assert not os.path.exists(dead) and os.path.exists(live)
+    finally:
+        for path in (dead, live):
+            if os.path.exists(path):
+                os.unlink(path)
