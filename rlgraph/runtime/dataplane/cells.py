@@ -33,7 +33,7 @@ import torch
 
 from rlgraph.runtime.dataplane.base import ColumnData, DataPlaneError, _Column
 
-__all__ = ["decode", "encode", "payload_nbytes", "raw_nbytes", "shared", "write"]
+__all__ = ["any_shared", "decode", "encode", "payload_nbytes", "raw_nbytes", "shared", "write"]
 
 _DTYPES = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -163,6 +163,11 @@ def _object(v: Any) -> bytes:
     except (TypeError, ValueError) as e:
         raise DataPlaneError(f"a {type(v).__name__} value cannot go through the data plane ({e}); columns of "
                              f"objects hold strings, bytes, numbers, booleans, None and lists and dicts of them") from None
+
+
+def any_shared(cells: Sequence[Any]) -> bool:
+    """Whether some of a column's cells are shared rows (descriptors, `shared`)."""
+    return any(c[0] == _SHARED for c in cells if c)
 
 
 def payload_nbytes(cells: Sequence[bytes]) -> list[int]:

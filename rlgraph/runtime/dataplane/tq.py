@@ -75,6 +75,7 @@ from rlgraph.runtime.dataplane.base import (  # noqa: E402
     DataPlaneError,
     DataPlaneHandle,
     _Column,
+    _nbytes,
     count_locality,
     dead_actors,
 )
@@ -428,7 +429,11 @@ class _TQClient(DataPlaneClient):
         encoded = {name: shared[name] if name in shared else cells.encode(col) for name, col in columns.items()}
         self._manager.put_cells(meta, encoded, self._op_timeout(sum(len(c) for column in encoded.values() for c in column)),
                                 f"put columns {sorted(columns)} to partition {partition!r}", self._watch)
-        self._count_locality(meta, encoded)
+        if self._segments is not None:  # one node: every byte is local; a shared column's are its rows'
+            count_locality(sum(cells.raw_nbytes(columns[n]) if n in shared else sum(map(len, c))
+                               for n, c in encoded.items()), 0)
+        else:
+            self._count_locality(meta, encoded)
 
     def _count_locality(self, meta: BatchMeta, encoded: dict[str, list[Any]]) -> None:
         """Count each row's bytes as local or cross-node by the node of the unit that stores it."""
@@ -453,8 +458,13 @@ class _TQClient(DataPlaneClient):
                 f"never written for some of rows {list(rows)[:8]}; get only what an op upstream has put. "
                 f"TransferQueue said: {e}"
             ) from None
-        self._count_locality(meta, got)
-        return {c: cells.decode(got[c], self._segments) for c in columns}
+        out = {c: cells.decode(got[c], self._segments) for c in columns}
+        if self._segments is not None:  # one node: every byte is local
+            count_locality(sum(_nbytes(out[c]) if cells.any_shared(got[c]) else sum(map(len, got[c]))
+                               for c in columns), 0)
+        else:
+            self._count_locality(meta, got)
+        return out
 
     def close(self) -> None:
         if self._loop is None:

@@ -241,7 +241,12 @@ def test_large_columns_cross_processes_through_shared_memory(tq_plane, workers):
     out = ray.get(consumer.get.remote(tq_plane.handle(), p, (7, 0, 3), ["big", "ragged", "small"]))
     assert _same(out["big"], big[[7, 0, 3]]) and _same(out["small"], torch.ones(3))
     assert _same(out["ragged"], [ragged[7], ragged[0], ragged[3]])
+    from rlgraph.runtime.dataplane.base import locality_bytes_in_this_process
+
+    local = locality_bytes_in_this_process()[0]
     assert _same(tq_plane.get(p, tuple(range(8)), ["big"])["big"], big)  # the driver reads them too
+    # the bytes the get moved are the rows', not their descriptors'
+    assert locality_bytes_in_this_process()[0] - local == big.numel() * 4
     tq_plane.clear(p)
 
 
