@@ -42,6 +42,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 from rlgraph.runtime.dataplane import cells
 from rlgraph.runtime.dataplane.base import DataPlaneError, _Column
 
@@ -234,32 +235,28 @@ def _unlink(path: str) -> None:
 
 def remove_all(prefix: str) -> int:
     """Remove every segment whose name starts with `prefix` (a plane's, or a driver's); how many."""
-    removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        if name.startswith(prefix + "-"):
-            _unlink(os.path.join(SHM_DIR, name))
-            removed += 1
-    return removed
+    return _remove(lambda name: name.startswith(prefix + "-"))
 
 
 def sweep() -> int:
     """Remove the segments of drivers that are no longer running (a run killed without its
     reaper); how many. A live driver's segments are never touched."""
-    removed = 0
+    def gone(name: str) -> bool:
+        m = _NAME.match(name)
+        return bool(m) and not _alive(int(m.group(1)))
+
+    return _remove(gone)
+
+
+def _remove(which: Callable[[str], bool]) -> int:
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
-    for name in names:
-        m = _NAME.match(name)
-        if m and not _alive(int(m.group(1))):
-            _unlink(os.path.join(SHM_DIR, name))
-            removed += 1
-    return removed
+    chosen = [name for name in names if which(name)]
+    for name in chosen:
+        _unlink(os.path.join(SHM_DIR, name))
+    return len(chosen)
 
 
 def _alive(pid: int) -> bool:

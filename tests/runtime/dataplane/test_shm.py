@@ -26,6 +26,13 @@ def prefix():
     shm.remove_all(p)
 
 
+@pytest.fixture
+def segments(prefix):
+    made = shm.Segments(prefix)
+    yield made
+    made.close()
+
+
 def _files(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + "-"))
 
@@ -46,42 +53,34 @@ def _same(a, b):
             _same(x, y)
 
 
-def test_large_columns_go_through_a_segment_and_come_back_exactly(prefix):
-    segments = shm.Segments(prefix)
+def test_large_columns_go_through_a_segment_and_come_back_exactly(segments, prefix):
     dense = torch.randn(64, 512)  # 128 KiB
     ragged = [torch.arange(n * 100, dtype=torch.int64) for n in range(1, 33)]  # 422 KiB
     small = torch.ones(64, 4)
     text = [f"row {i}" for i in range(64)]
-    try:
-        encoded = _put(segments, "p", dense=dense, small=small, text=text)
-        assert all(c[0] == ord("m") for c in encoded["dense"])
-        assert all(c[0] == ord("t") for c in encoded["small"])  # below MIN_BYTES: as bytes
-        assert len(encoded["dense"][0]) < 100  # a descriptor, not the row
-        _same(cells.decode(encoded["dense"], segments), dense)
-        _same(cells.decode(encoded["small"], segments), small)
-        assert cells.decode(encoded["text"], segments) == text
-        ragged_cells = _put(segments, "p", ragged=ragged)["ragged"]
-        _same(cells.decode(ragged_cells, segments), ragged)
-        assert len(_files(prefix)) == 2  # one segment per put
-    finally:
-        segments.close()
+    encoded = _put(segments, "p", dense=dense, small=small, text=text)
+    assert all(c[0] == ord("m") for c in encoded["dense"])
+    assert all(c[0] == ord("t") for c in encoded["small"])  # below MIN_BYTES: as bytes
+    assert len(encoded["dense"][0]) < 100  # a descriptor, not the row
+    _same(cells.decode(encoded["dense"], segments), dense)
+    _same(cells.decode(encoded["small"], segments), small)
+    assert cells.decode(encoded["text"], segments) == text
+    ragged_cells = _put(segments, "p", ragged=ragged)["ragged"]
+    _same(cells.decode(ragged_cells, segments), ragged)
+    assert len(_files(prefix)) == 2  # one segment per put
 
 
-def test_rows_in_any_order_and_mixed_with_byte_rows_decode_as_assemble_rows_says(prefix):
-    segments = shm.Segments(prefix)
+def test_rows_in_any_order_and_mixed_with_byte_rows_decode_as_assemble_rows_says(segments):
     big = torch.randn(40, 1024)
-    try:
-        shared = _put(segments, "p", x=big)["x"]
-        plain = cells.encode(_normalize("x", big[:3].clone(), 3))
-        order = [5, 2, 39, 0, 1]
-        _same(cells.decode([shared[i] for i in order], segments), big[order])
-        mixed = plain + shared[3:]  # rows 0-2 put as bytes by another call
-        _same(cells.decode(mixed, segments), big)
-        half = torch.randn(40, 1024, dtype=torch.float64)
-        other = _put(segments, "p", x=half)["x"]  # a second put, another dtype
-        _same(cells.decode([shared[0], other[1]], segments), assemble_rows([big[0], half[1]]))
-    finally:
-        segments.close()
+    shared = _put(segments, "p", x=big)["x"]
+    plain = cells.encode(_normalize("x", big[:3].clone(), 3))
+    order = [5, 2, 39, 0, 1]
+    _same(cells.decode([shared[i] for i in order], segments), big[order])
+    mixed = plain + shared[3:]  # rows 0-2 put as bytes by another call
+    _same(cells.decode(mixed, segments), big)
+    half = torch.randn(40, 1024, dtype=torch.float64)
+    other = _put(segments, "p", x=half)["x"]  # a second put, another dtype
+    _same(cells.decode([shared[0], other[1]], segments), assemble_rows([big[0], half[1]]))
 
 
 def test_a_cleared_partition_s_segment_is_written_again_by_the_next_put(prefix):
@@ -116,20 +115,16 @@ def test_at_most_keep_free_segments_wait_for_reuse(prefix):
     assert _files(prefix) == []
 
 
-def test_a_full_shared_memory_sends_the_columns_as_bytes(prefix, monkeypatch):
+def test_a_full_shared_memory_sends_the_columns_as_bytes(segments, prefix, monkeypatch):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
-    segments = shm.Segments(prefix)
     x = torch.randn(64, 1024)
-    try:
-        encoded = _put(segments, "p", x=x)["x"]
-        assert encoded[0][0] == ord("t")
-        _same(cells.decode(encoded, segments), x)
-        assert _files(prefix) == []
-    finally:
-        segments.close()
+    encoded = _put(segments, "p", x=x)["x"]
+    assert encoded[0][0] == ord("t")
+    _same(cells.decode(encoded, segments), x)
+    assert _files(prefix) == []
 
 
 def test_a_missing_segment_is_an_error_that_names_it_and_the_setting(prefix):
