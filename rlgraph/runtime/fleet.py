@@ -426,6 +426,30 @@ class Fleet:
         homes = row_homes(self.plan, rows, self.node_of, units)
         return (None, None) if homes is None else (homes, [units[h] for h in homes])
 
+    def fence(self) -> None:
+        """Wait until every call sent so far has ended on every live worker and the source.
+
+        Each of them runs its calls one at a time, in order, so a ping sent now is answered after
+        them. The driver fences before it clears the partitions of a failed step, whose other calls
+        may still run: such a call must not read a shared-memory segment that its writer reuses
+        once the partition is forgotten, nor put into row indexes TransferQueue gives the step's
+        retry. A dead actor runs nothing (it answers with an error), and the wait is bounded by the
+        run's timeout; the recovery that follows restarts what is dead."""
+        import ray
+
+        refs = [w.ping.remote() for ws in self.workers.values() for w in ws]
+        if self.source is not None:
+            refs.append(self.source.ping.remote())
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+
+    def clear_failed(self, partitions: list[str], error: BaseException) -> None:
+        """Clear the partitions of steps that failed with `error`; unless the run ends on it (a step
+        timeout), after their other calls have ended (`fence`)."""
+        if partitions and not isinstance(error, StepTimeout):
+            self.fence()
+        for partition in partitions:
+            self.clear(partition)
+
     def clear(self, partition: str) -> None:
         """Clear `partition` from the data plane, and have every worker drop what it kept of it in
         memory (`rlgraph.runtime.dataplane.local`; queued behind the calls it is running)."""

@@ -20,7 +20,7 @@ import time
 import warnings
 from typing import Any, Protocol
 
-from rlgraph.errors import RefillExhausted
+from rlgraph.errors import RefillExhausted, StepTimeout
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.fleet import Fleet
 from rlgraph.runtime.recovery import plane_lost
@@ -122,6 +122,8 @@ class Refiller:
                 raise
         except BaseException as e:
             lost = plane_lost(e)  # a dead plane has nothing to clear, and answers nothing
+            if made and not lost and not isinstance(e, StepTimeout):  # the rounds' calls end first (`Fleet.fence`)
+                fleet.fence()
             raise
         finally:
             if not lost:

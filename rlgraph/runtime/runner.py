@@ -302,8 +302,7 @@ class Runner:
                             self.weights.produced(call.chunk.op, lv.step)
         except BaseException as e:
             if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
-                for lv in live.values():
-                    self.fleet.clear(lv.partition)
+                self.fleet.clear_failed([lv.partition for lv in live.values()], e)
             self._abandon()
             raise
 

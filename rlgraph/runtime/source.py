@@ -110,6 +110,10 @@ class SourceWorker:
         """Connect to the data plane (a source started before the plane was ready)."""
         self.client = handle.connect()
 
+    def ping(self) -> bool:
+        """Answered after every call sent before it (the source runs its calls one at a time)."""
+        return True
+
     def forget(self, partition: str) -> None:
         """The driver cleared `partition`: drop what the client remembers of it."""
         if self.client is not None:

@@ -1,6 +1,7 @@
 """Recovery's bookkeeping without Ray: retries counted per step, the error kept as what it is,
-injected faults taken once. The repairs themselves run end to end in test_faults.py,
-test_streaming.py and tests/reliability/."""
+injected faults taken once; and, on Ray, a failed step's partitions cleared only after its other
+calls have ended. The repairs themselves run end to end in test_faults.py, test_streaming.py and
+tests/reliability/."""
 
 from __future__ import annotations
 
@@ -73,3 +74,58 @@ def test_a_lost_plane_past_its_retries_still_names_the_dead_processes():
     with pytest.raises(DataPlaneDied, match="storage_0 died") as info:
         _recovery(max_retries=0).count(0, DataPlaneDied(["storage_0"], "running op 'gen'"))
     assert info.value.dead == ["storage_0"]
+
+
+class _Busy:
+    """A stand-in worker: one call at a time, in order, as rlgraph's workers run their calls."""
+
+    def work(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+    def ping(self) -> bool:
+        return True
+
+    def forget(self, partition: str) -> None:
+        pass
+
+
+def _fleet(workers, source=None, timeout_s=30.0):
+    from rlgraph.runtime.fleet import Fleet
+
+    fleet = Fleet.__new__(Fleet)  # only what fence and clear_failed use
+    cleared: list[str] = []
+    fleet.workers, fleet.source, fleet.timeout_s = {"g": workers}, source, timeout_s
+    fleet.plane = SimpleNamespace(clear=cleared.append)
+    return fleet, cleared
+
+
+@pytest.mark.ray
+def test_a_failed_step_s_partitions_are_cleared_after_its_other_calls_have_ended(ray_cluster):
+    """An abandoned call must not read a shared-memory segment its writer reuses once the partition
+    is forgotten, nor put into row indexes TransferQueue gives the retry: fence first."""
+    import time
+
+    import ray
+
+    from rlgraph.errors import StepTimeout
+
+    busy, dead = ray.remote(_Busy).options(num_cpus=0), ray.remote(_Busy).options(num_cpus=0)
+    a, b, c = busy.remote(), busy.remote(), dead.remote()
+    ray.get([a.ping.remote(), b.ping.remote(), c.ping.remote()])
+    ray.kill(c)  # a dead worker answers with an error, and holds nothing up
+    fleet, cleared = _fleet([a, b, c], source=None)
+    try:
+        running = a.work.remote(1.5)
+        t0 = time.monotonic()
+        fleet.clear_failed(["train_3"], OpError("update failed"))
+        assert time.monotonic() - t0 >= 1.2 and ray.get(running, timeout=1) is None
+        assert cleared == ["train_3"]
+        a.work.remote(30)  # a hung call: the run ends on the timeout, so nothing waits for it
+        t0 = time.monotonic()
+        fleet.clear_failed(["train_4"], StepTimeout("no progress"))
+        assert time.monotonic() - t0 < 1.0 and cleared == ["train_3", "train_4"]
+    finally:
+        for w in (a, b):
+            ray.kill(w)

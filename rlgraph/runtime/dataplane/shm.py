@@ -13,8 +13,9 @@ a put or a get is still one round trip to a storage unit, with a few dozen bytes
 - **Reuse.** A fresh segment's pages are faulted in as it is written, which on a VM costs more
   than the copy (16 MB: ~10 ms against ~1 ms). So the writer keeps its segments mapped: when the
   driver clears a partition (`forget`, which the driver sends every worker after the partition's
-  last call has returned), the segments of that partition's puts go to a free list and later puts
-  write into them again. At most `KEEP_FREE` segments are kept free; older ones are removed.
+  last call has returned; after a failed step, once its other calls have ended,
+  `rlgraph.runtime.fleet.Fleet.fence`), the segments of that partition's puts go to a free list
+  and later puts write into them again. At most `KEEP_FREE` segments are kept free; older ones are removed.
 - **Reads copy.** `view` maps a segment once (read-only, kept for the next get, at most `MAPPED`
   mappings) and `cells.decode` copies the rows out, one copy per run of adjacent rows. A get never
   returns a view into a segment: the segment is written again once its partition is cleared, and
