@@ -60,7 +60,6 @@ def _watch(driver_pid: int) -> int:
         except psutil.Error:  # a transient read error: look again
             pass
         time.sleep(POLL_S)
-    remove_segments(driver_pid)
     killed = 0
     for pid, created in noted.items():
         try:
@@ -70,26 +69,19 @@ def _watch(driver_pid: int) -> int:
                 killed += 1
         except psutil.Error:  # gone already, or not ours any more
             pass
+    remove_segments(driver_pid)  # after the kills: no process of the run is left to make more
     return killed
 
 
-def remove_segments(driver_pid: int, shm_dir: str = "/dev/shm") -> int:
-    """Remove the shared-memory segments of `driver_pid`'s data planes (named
-    ``rlgraph-<driver pid>-...`` by `rlgraph.runtime.dataplane.shm`, which this light process does
-    not import: it would bring torch in); how many."""
-    removed = 0
+def remove_segments(driver_pid: int) -> int:
+    """Remove the shared-memory segments of `driver_pid`'s data planes (`rlgraph.runtime.dataplane.shm`,
+    imported only now: it brings torch and Ray in, which this light process otherwise never needs);
+    how many."""
     try:
-        names = os.listdir(shm_dir)
-    except OSError:
+        from rlgraph.runtime.dataplane import shm
+    except Exception:  # pragma: no cover - a broken environment: the next plane's sweep removes them
         return 0
-    for name in names:
-        if name.startswith(f"rlgraph-{driver_pid}-"):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed += 1
-            except OSError:
-                pass
-    return removed
+    return shm.remove_all(shm.driver_prefix(driver_pid))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ large tensor columns into a shared-memory segment (a file in ``/dev/shm``) inste
 TransferQueue stores for them are descriptors (`cells.shared`: dtype, shape, segment, offset), so
 a put or a get is still one round trip to a storage unit, with a few dozen bytes a row in it.
 
-- **What goes there.** The tensor columns of one put whose bytes reach `MIN_BYTES` (64 KiB: below
-  it a segment costs more than the bytes path), laid out one after another (64-byte aligned) in
+- **What goes there.** The tensor columns of one put whose bytes reach `MIN_BYTES` (64 KiB) and
+  whose rows are at least `MIN_ROW_BYTES` each (a row's descriptor is about 60 bytes), laid out one after another (64-byte aligned) in
   one segment. Objects and small columns travel as bytes, as before.
 - **Reuse.** A fresh segment's pages are faulted in as it is written, which on a VM costs more
   than the copy (16 MB: ~10 ms against ~1 ms). So the writer keeps its segments mapped: when the
@@ -16,12 +16,12 @@ a put or a get is still one round trip to a storage unit, with a few dozen bytes
   last call has returned; after a failed step, once its other calls have ended,
   `rlgraph.runtime.fleet.Fleet.fence`), the segments of that partition's puts go to a free list
   and later puts write into them again. At most `KEEP_FREE` segments are kept free; older ones are removed.
-- **Reads copy.** `view` maps a segment once (read-only, kept for the next get, at most `MAPPED`
-  mappings) and `cells.decode` copies the rows out, one copy per run of adjacent rows. A get never
+- **Reads copy.** `view` maps a segment once (read-only, kept for the next get while its file
+  exists, at most `MAPPED` mappings) and `cells.decode` copies the rows out, one copy per run of adjacent rows. A get never
   returns a view into a segment: the segment is written again once its partition is cleared, and
   an op may keep what it got.
-- **Names and clean-up.** ``/dev/shm/rlgraph-<driver pid>-<plane token>-<writer pid>-<writer
-  token>-<n>``. A
+- **Names and clean-up.** ``/dev/shm/rlgraph-<pid namespace>-<driver pid>-<plane token>-<writer
+  pid>-<writer token>-<n>`` (the namespace: containers sharing ``/dev/shm`` may reuse pids). A
   writer removes its free segments when it closes; the driver removes every segment of its plane
   when the plane closes (`remove_all`), and, at start, those of drivers no longer running
   (`sweep`); the reaper removes a killed driver's (`rlgraph.runtime.reaper`).
@@ -41,20 +41,24 @@ import os
 import re
 import secrets
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 from rlgraph.runtime.dataplane import cells
 from rlgraph.runtime.dataplane.base import DataPlaneError, _Column
 
-__all__ = ["Segments", "available", "MIN_BYTES", "KEEP_FREE", "MAPPED", "SHM_DIR", "prefix_for", "remove_all", "sweep"]
+__all__ = ["Segments", "available", "MIN_BYTES", "MIN_ROW_BYTES", "KEEP_FREE", "KEEP_FREE_BYTES", "MAPPED", "SHM_DIR",
+           "driver_prefix", "namespace", "prefix_for", "remove_all", "sweep"]
 
 SHM_DIR = "/dev/shm"
 MIN_BYTES = 64 * 1024  # a put's tensor columns of at least this many bytes go to shared memory
 KEEP_FREE = 16  # segments a writer keeps for reuse once their partition is cleared
+MIN_ROW_BYTES = 256  # and rows of at least this many bytes (a row's descriptor is about 60)
+KEEP_FREE_BYTES = 1 << 30  # and at most this many bytes of them
 MAPPED = 64  # segments a reader keeps mapped
 ALIGN = 64
-_NAME = re.compile(r"^rlgraph-(\d+)-[0-9a-f]+-\d+-[0-9a-f]+-\d+$")
+_NAME = re.compile(r"^rlgraph-([0-9a-f]+)-(\d+)-[0-9a-f]+-\d+-[0-9a-f]+-\d+$")
 
 
 def available() -> bool:
@@ -62,9 +66,25 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
+def namespace() -> str:
+    """This machine's pid namespace, as a short token: containers that share ``/dev/shm`` (Docker's
+    ``--ipc=host``) may each have a driver of the same pid, and one must never take the other's for
+    dead or remove its segments."""
+    try:
+        ns = os.stat("/proc/self/ns/pid")
+        return f"{ns.st_dev:x}{ns.st_ino:x}"
+    except OSError:
+        return "0"
+
+
+def driver_prefix(driver_pid: int) -> str:
+    """The name prefix of every segment of one driver's planes."""
+    return f"rlgraph-{namespace()}-{driver_pid}"
+
+
 def prefix_for(driver_pid: int, token: str) -> str:
     """The name prefix of the segments of one plane."""
-    return f"rlgraph-{driver_pid}-{token}"
+    return f"{driver_prefix(driver_pid)}-{token}"
 
 
 @dataclass
@@ -93,14 +113,15 @@ class Segments:
         self._lock = threading.Lock()
         self._busy: dict[str, list[_Segment]] = {}  # partition -> segments its puts wrote
         self._free: list[_Segment] = []
-        self._mapped: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._mapped: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()  # name -> (mapping, its fd)
+        self._warned = False
 
     # ------------------------------------------------------------------ writing
     def encode(self, partition: str, columns: dict[str, _Column]) -> dict[str, list[bytes]]:
         """Write the large tensor columns of one put into a segment; their cells (descriptors) by
         column. {} when none is large enough or no segment could be made (they go as bytes)."""
         big = {name: col for name, col in columns.items()
-               if col.kind in ("dense", "ragged") and cells.raw_nbytes(col) >= MIN_BYTES}
+               if col.kind in ("dense", "ragged") and cells.raw_nbytes(col) >= max(MIN_BYTES, MIN_ROW_BYTES * len(col.value))}
         if not big:
             return {}
         offsets, total = {}, 0
@@ -134,27 +155,34 @@ class Segments:
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError:
+        except OSError as e:
+            self._cannot(path, e)
             return None
         try:
             os.posix_fallocate(fd, 0, capacity)  # the pages now, or ENOSPC now: never a SIGBUS later
             buffer = mmap.mmap(fd, capacity)
-        except OSError as e:
+        except OSError as e:  # full, or a /dev/shm that cannot: these columns go as bytes
             _unlink(path)
-            if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise DataPlaneError(f"could not make a shared-memory segment {path} of {capacity} bytes: {e}") from e
+            self._cannot(path, e)
             return None
         finally:
             os.close(fd)
         return _Segment(name, buffer, capacity)
 
+    def _cannot(self, path: str, e: OSError) -> None:
+        if not self._warned and e.errno not in (errno.ENOSPC, errno.ENOMEM):
+            self._warned = True
+            warnings.warn(f"rlgraph could not make a shared-memory segment {path} ({e}); large columns go through "
+                          f"TransferQueue's sockets instead (dataplane.shared_memory=false says so up front)")
+
     def _give_back(self, segment: _Segment) -> None:
         with self._lock:
             self._free.append(segment)
-            extra = self._free[:-KEEP_FREE] if len(self._free) > KEEP_FREE else []
-            del self._free[:len(extra)]
+            extra = []
+            while len(self._free) > KEEP_FREE or sum(s.capacity for s in self._free) > KEEP_FREE_BYTES:
+                extra.append(self._free.pop(0))  # the oldest
         for s in extra:
-            _drop(s)
+            self._drop(s)
 
     def forget(self, partition: str) -> None:
         """`partition` was cleared: no one reads its segments any more; they are free for reuse."""
@@ -174,12 +202,15 @@ class Segments:
 
     # ------------------------------------------------------------------ reading
     def view(self, name: str) -> mmap.mmap:
-        """Segment `name`, mapped read-only (kept mapped for the next get)."""
+        """Segment `name`, mapped read-only (kept mapped for the next get, while its file exists: the
+        mapping of a removed segment would keep its memory)."""
         with self._lock:
             found = self._mapped.get(name)
             if found is not None:
-                self._mapped.move_to_end(name)
-                return found
+                if os.fstat(found[1]).st_nlink:
+                    self._mapped.move_to_end(name)
+                    return found[0]
+                self._unmap(name)
         if not _NAME.match(name):
             raise DataPlaneError(f"{name!r} is not the name of an rlgraph shared-memory segment")
         path = os.path.join(SHM_DIR, name)
@@ -192,13 +223,21 @@ class Segments:
                 f"dataplane.shared_memory=false)") from None
         try:
             mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         with self._lock:
-            self._mapped[name] = mapped
+            if name in self._mapped:
+                self._unmap(name)
+            self._mapped[name] = (mapped, fd)
             while len(self._mapped) > MAPPED:
-                self._mapped.popitem(last=False)  # closed when the last array over it is gone
+                self._unmap(next(iter(self._mapped)))
         return mapped
+
+    def _unmap(self, name: str) -> None:
+        """Forget a mapping (under the lock); it goes when the last array over it is gone."""
+        _, fd = self._mapped.pop(name)
+        os.close(fd)
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
@@ -208,16 +247,20 @@ class Segments:
             free, self._free = self._free, []
             busy = [s for v in self._busy.values() for s in v]
             self._busy.clear()
-            self._mapped.clear()
+            for name in list(self._mapped):
+                self._unmap(name)
         for s in free:
-            _drop(s)
+            self._drop(s)
         for s in busy:
             _close(s.buffer)
 
-
-def _drop(segment: _Segment) -> None:
-    _unlink(os.path.join(SHM_DIR, segment.name))
-    _close(segment.buffer)
+    def _drop(self, segment: _Segment) -> None:
+        """Remove a free segment: its file, and this process's mappings of it."""
+        _unlink(os.path.join(SHM_DIR, segment.name))
+        _close(segment.buffer)
+        with self._lock:
+            if segment.name in self._mapped:
+                self._unmap(segment.name)
 
 
 def _close(buffer: mmap.mmap) -> None:
@@ -230,7 +273,7 @@ def _close(buffer: mmap.mmap) -> None:
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:  # gone already, or another user's (/dev/shm is sticky)
         pass
 
 
@@ -242,9 +285,11 @@ def remove_all(prefix: str) -> int:
 def sweep() -> int:
     """Remove the segments of drivers that are no longer running (a run killed without its
     reaper); how many. A live driver's segments are never touched."""
+    here = namespace()
+
     def gone(name: str) -> bool:
         m = _NAME.match(name)
-        return bool(m) and not _alive(int(m.group(1)))
+        return bool(m) and m.group(1) == here and not _alive(int(m.group(2)))
 
     return _remove(gone)
 
@@ -254,10 +299,18 @@ def _remove(which: Callable[[str], bool]) -> int:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
-    chosen = [name for name in names if which(name)]
+    uid = os.getuid()
+    chosen = [name for name in names if which(name) and _owned(name, uid)]
     for name in chosen:
         _unlink(os.path.join(SHM_DIR, name))
     return len(chosen)
+
+
+def _owned(name: str, uid: int) -> bool:
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_uid == uid
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:

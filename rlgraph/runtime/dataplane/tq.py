@@ -181,6 +181,7 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         self.unit_ids: list[str] = ranked if all(ranked) else list(self.storage_unit_infos)
         self._home: dict[int, int] = {}
         self._wire_: Wire | None = None  # put and get requests, sent from the calling thread
+        self._wire_lock = threading.Lock()
 
     def learn(self, global_indexes: list[int], custom_meta: list[dict[str, Any]]) -> None:
         """Remember the home unit of each row whose custom metadata names one."""
@@ -250,7 +251,9 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
 
     def _wire(self) -> Wire:
         if self._wire_ is None:
-            self._wire_ = Wire(self.storage_manager_id, self.storage_unit_infos)
+            with self._wire_lock:  # a worker's call thread and its control thread may both get here first
+                if self._wire_ is None:
+                    self._wire_ = Wire(self.storage_manager_id, self.storage_unit_infos)
         return self._wire_
 
     def close(self) -> None:

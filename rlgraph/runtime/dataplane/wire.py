@@ -74,6 +74,13 @@ class Wire:
     def exchange(self, messages: Mapping[str, ZMQMessage], timeout_s: float, what: str,
                  watch: Callable[[], list[str]] | None = None) -> dict[str, ZMQMessage]:
         """Send each unit its message, then wait for every answer (by unit id)."""
+        try:
+            return self._exchange(messages, timeout_s, what, watch)
+        except zmq.ZMQError as e:  # the transport, not the data: say so (a get would blame a missing column)
+            raise DataPlaneError(f"the connection to TransferQueue's storage failed while trying to {what}: {e}") from e
+
+    def _exchange(self, messages: Mapping[str, ZMQMessage], timeout_s: float, what: str,
+                  watch: Callable[[], list[str]] | None) -> dict[str, ZMQMessage]:
         deadline = time.monotonic() + timeout_s
         with contextlib.ExitStack() as leases:
             sockets = {}

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -148,13 +149,65 @@ def test_sweep_removes_the_segments_of_drivers_gone_and_keeps_a_live_one_s(prefi
     dead_pid = int(ended.stdout)
     dead = os.path.join(shm.SHM_DIR, f"{shm.prefix_for(dead_pid, 'ab12')}-{dead_pid}-cd34-0")
     live = os.path.join(shm.SHM_DIR, f"{prefix}-{os.getpid()}-cd34-0")
-    for path in (dead, live):
+    # a dead pid of another pid namespace (a container sharing /dev/shm) is not ours to judge
+    elsewhere = os.path.join(shm.SHM_DIR, f"rlgraph-ffff0-{dead_pid}-ab12-{dead_pid}-cd34-0")
+    for path in (dead, live, elsewhere):
         with open(path, "wb") as f:
             f.write(b"x")
     try:
         shm.sweep()
-        assert not os.path.exists(dead) and os.path.exists(live)
+        assert not os.path.exists(dead) and os.path.exists(live) and os.path.exists(elsewhere)
     finally:
-        for path in (dead, live):
+        for path in (dead, live, elsewhere):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn])
+def test_every_dtype_and_empty_rows_come_back_exactly(segments, dtype):
+    dense = (torch.arange(64 * 2048).reshape(64, 2048) % 5).to(dtype)
+    _same(cells.decode(_put(segments, "p", x=dense)["x"], segments), dense)
+    ragged = [(torch.arange(n) % 3).to(dtype) for n in [0, 4096, 0, 70000, 1]]  # rows of no elements too
+    encoded = _put(segments, "p", x=ragged)["x"]
+    assert encoded[0][0] == ord("m")
+    _same(cells.decode(encoded, segments), ragged)
+
+
+def test_narrow_rows_go_as_bytes_a_descriptor_would_be_larger(segments):
+    narrow = torch.randn(16384, 4)  # 256 KiB, 16 bytes a row
+    assert _put(segments, "p", x=narrow)["x"][0][0] == ord("t")
+
+
+def test_free_segments_are_capped_in_bytes_too(segments, prefix, monkeypatch):
+    monkeypatch.setattr(shm, "KEEP_FREE_BYTES", 600 * 1024)
+    for k in range(4):
+        _put(segments, f"step_{k}", x=torch.randn(64, 1024))  # 256 KiB each
+    for k in range(4):
+        segments.forget(f"step_{k}")
+    assert segments.free() == 2 and len(_files(prefix)) == 2
+
+
+def test_a_removed_segment_is_never_read_through_an_old_mapping(segments, prefix):
+    encoded = _put(segments, "p", x=torch.randn(64, 1024))["x"]
+    reader = shm.Segments(prefix)
+    try:
+        cells.decode(encoded, reader)  # mapped and kept
+        shm.remove_all(prefix)
+        with pytest.raises(DataPlaneError, match="does not exist"):
+            cells.decode(encoded, reader)
+    finally:
+        reader.close()
+
+
+def test_a_dev_shm_that_refuses_sends_the_columns_as_bytes_with_one_warning(segments, monkeypatch):
+    def refuse(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", refuse)
+    x = torch.randn(64, 1024)
+    with pytest.warns(UserWarning, match="could not make a shared-memory segment"):
+        assert _put(segments, "p", x=x)["x"][0][0] == ord("t")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _put(segments, "q", x=x)["x"][0][0] == ord("t")

@@ -122,3 +122,20 @@ def test_a_refused_put_names_the_unit(units):
             wire.put({"unit_a": ([1], {"x": [b"v"]})}, timeout_s=10, what="put x")
     finally:
         wire.close()
+
+
+def test_a_broken_connection_is_named_as_such(units, monkeypatch):
+    """A transport error is the data plane's, not "a column was never written"."""
+    unit = units("unit_a")
+    wire = _wire(unit)
+
+    def broken(*args, **kwargs):
+        raise zmq.ZMQError(zmq.EHOSTUNREACH)
+
+    monkeypatch.setattr(zmq.Socket, "send_multipart", broken)
+    try:
+        with pytest.raises(DataPlaneError, match="connection to TransferQueue's storage failed while trying to get x"):
+            wire.get({"unit_a": ([1], ["x"])}, timeout_s=5, what="get x")
+    finally:
+        monkeypatch.undo()
+        wire.close()
