@@ -43,7 +43,6 @@ import concurrent.futures
 import os
 import threading
 import uuid
-from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
@@ -279,16 +278,6 @@ def _tag(row: int, home: int | None) -> dict[str, Any]:
     return {"row": row} if home is None else {"row": row, "unit": home}
 
 
-async def _all(requests: list[Awaitable[Any]]) -> list[Any]:
-    """The results of `requests` run together; the first error is raised once all have ended, so
-    none is left running on its socket (a request dropped mid-way breaks TQ's socket pool)."""
-    results = await asyncio.gather(*requests, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
-
-
 # --------------------------------------------------------------------------- client
 class _Loop:
     """An event loop on a daemon thread; ``run`` waits for a coroutine with a timeout."""
@@ -336,7 +325,8 @@ def _actor_nodes(actors: list[Any]) -> tuple[str, ...]:
 
 
 class _TQClient(DataPlaneClient):
-    """Worker side: an ``AsyncTransferQueueClient`` (TQ's public async client) on our loop."""
+    """Worker side: an ``AsyncTransferQueueClient`` (TQ's public async client) on our loop for the
+    controller's requests; puts and gets leave from the calling thread (`wire`)."""
 
     def __init__(self, controller: Any, op_timeout_s: float, unit_nodes: tuple[str, ...] = (), secret: str = "",
                  shm_prefix: str = "") -> None:
