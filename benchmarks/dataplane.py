@@ -160,13 +160,14 @@ machine). Dense: a `[rows, width]` tensor; ragged: one tensor per row, log-norma
 `width`. Median over the repeats after one warm-up round, the backends alternating; MB = 10^6
 bytes. memcpy: `copy_()` of the same tensor(s) into memory allocated beforehand (put and get
 columns show the same copy); "/ memcpy" is memcpy's time over the backend's. "memcpy into new
-memory" allocates the destination each time, as a get that returns new tensors must: on this
-machine (a VM) the first touch of a fresh page costs about 2.5 us, more than copying it, which
-bounds what any get of a large column can reach.
-{SHARED!r}: the default on one node, where tensor columns of at least 64 KiB go through `/dev/shm`
-(`rlgraph.runtime.dataplane.shm`); {BYTES!r}: the same plane with that switched off
+memory" allocates the destination each time, holding the last copy while it makes the next, as
+the get rows hold the last get: a get that returns new tensors must write fresh memory, and on
+this machine (a VM) the first touch of a page the allocator has not reused costs about 2.5 us, more
+than copying it.
+{SHARED}: the default on one node, where tensor columns of at least 64 KiB go through `/dev/shm`
+(`rlgraph.runtime.dataplane.shm`); {BYTES}: the same plane with that switched off
 (`dataplane.shared_memory=false`, and what several nodes get).
-""".replace("'", "")
+"""
     one = summary[min(k for k in summary if k[0] == "dense")][first]
     notes = [f"Fixed cost of a put plus a get (the 1-row dense column, {first}): {1e3 * sum(one):.2f} ms "
              f"(target < 1 ms)."]
