@@ -20,7 +20,7 @@ import time
 import warnings
 from typing import Any, Protocol
 
-from rlgraph.errors import RefillExhausted, StepTimeout
+from rlgraph.errors import RefillExhausted
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.fleet import Fleet
 from rlgraph.runtime.recovery import plane_lost
@@ -71,7 +71,6 @@ class Refiller:
         reasons: dict[str, int] = {}
         real = rounds = generated = 0
         made: list[str] = []
-        lost = False
         try:
             for k in range(rf.max_rounds):
                 if len(kept) >= b.batch_size:
@@ -121,14 +120,11 @@ class Refiller:
                 fleet.clear(partition)
                 raise
         except BaseException as e:
-            lost = plane_lost(e)  # a dead plane has nothing to clear, and answers nothing
-            if made and not lost and not isinstance(e, StepTimeout):  # the rounds' calls end first (`Fleet.fence`)
-                fleet.fence()
+            if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
+                fleet.clear_failed(made, e)  # once the rounds' other calls have ended
             raise
-        finally:
-            if not lost:
-                for part in made:
-                    fleet.clear(part)
+        for part in made:
+            fleet.clear(part)
         # the summaries of every generated sample, where they are written before the filter (the
         # trained ones are the filter's choice: their score says little about the policy's accuracy)
         gen_means = {f"generated/{name}/mean": sum(vals.values()) / len(vals)

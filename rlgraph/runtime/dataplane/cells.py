@@ -31,9 +31,9 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from rlgraph.runtime.dataplane.base import ColumnData, DataPlaneError, _Column
+from rlgraph.runtime.dataplane.base import ColumnData, DataPlaneError, _Column, _nbytes
 
-__all__ = ["any_shared", "decode", "encode", "payload_nbytes", "raw_nbytes", "shared", "write"]
+__all__ = ["any_shared", "decode", "encode", "payload_nbytes", "shared", "write"]
 
 _DTYPES = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -65,10 +65,7 @@ def _header(dtype: torch.dtype, shape: Sequence[int], tag: bytes = b"t") -> byte
 
 def _raw(t: torch.Tensor) -> bytes:
     """The bytes of a contiguous CPU tensor, one copy."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return _bytes_of(t).tobytes()
 
 
 def encode(col: _Column) -> list[bytes]:
@@ -97,15 +94,6 @@ def encode(col: _Column) -> list[bytes]:
             start = end
         return out
     return [_object(v) for v in col.value]
-
-
-def raw_nbytes(col: _Column) -> int:
-    """The bytes of a tensor column's rows (0 for a column of objects)."""
-    if col.kind == "dense":
-        return col.value.numel() * col.value.element_size()
-    if col.kind == "ragged":
-        return sum(v.numel() for v in col.value) * col.value[0].element_size()
-    return 0
 
 
 def write(col: _Column, buffer: Any, offset: int) -> None:
@@ -137,7 +125,7 @@ def shared(col: _Column, name: str, offset: int) -> list[bytes]:
     if col.kind == "dense":
         t: torch.Tensor = col.value
         head = _header(t.dtype, t.shape[1:], b"m")
-        n = raw_nbytes(col) // t.shape[0] if t.shape[0] else 0
+        n = _nbytes(t) // t.shape[0] if t.shape[0] else 0
         return [head + _OFFSET.pack(offset + i * n) + tail for i in range(t.shape[0])]
     values: list[torch.Tensor] = col.value
     size = values[0].element_size()

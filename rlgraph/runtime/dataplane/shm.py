@@ -46,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 from rlgraph.runtime.dataplane import cells
-from rlgraph.runtime.dataplane.base import DataPlaneError, _Column
+from rlgraph.runtime.dataplane.base import DataPlaneError, _Column, _nbytes
 
 __all__ = ["Segments", "available", "MIN_BYTES", "MIN_ROW_BYTES", "KEEP_FREE", "KEEP_FREE_BYTES", "MAPPED", "SHM_DIR",
            "driver_prefix", "namespace", "prefix_for", "remove_all", "sweep"]
@@ -120,14 +120,15 @@ class Segments:
     def encode(self, partition: str, columns: dict[str, _Column]) -> dict[str, list[bytes]]:
         """Write the large tensor columns of one put into a segment; their cells (descriptors) by
         column. {} when none is large enough or no segment could be made (they go as bytes)."""
-        big = {name: col for name, col in columns.items()
-               if col.kind in ("dense", "ragged") and cells.raw_nbytes(col) >= max(MIN_BYTES, MIN_ROW_BYTES * len(col.value))}
+        sizes = {name: _nbytes(col.value) for name, col in columns.items() if col.kind in ("dense", "ragged")}
+        big = {name: columns[name] for name, n in sizes.items()
+               if n >= max(MIN_BYTES, MIN_ROW_BYTES * len(columns[name].value))}
         if not big:
             return {}
         offsets, total = {}, 0
-        for name, col in big.items():
+        for name in big:
             offsets[name] = total
-            total += -(-cells.raw_nbytes(col) // ALIGN) * ALIGN
+            total += -(-sizes[name] // ALIGN) * ALIGN
         segment = self._take(total)
         if segment is None:
             return {}

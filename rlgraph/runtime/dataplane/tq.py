@@ -423,7 +423,7 @@ class _TQClient(DataPlaneClient):
         self._manager.put_cells(meta, encoded, self._op_timeout(sum(len(c) for column in encoded.values() for c in column)),
                                 f"put columns {sorted(columns)} to partition {partition!r}", self._watch)
         if self._segments is not None:  # one node: every byte is local; a shared column's are its rows'
-            count_locality(sum(cells.raw_nbytes(columns[n]) if n in shared else sum(map(len, c))
+            count_locality(sum(_nbytes(columns[n].value) if n in shared else sum(map(len, c))
                                for n, c in encoded.items()), 0)
         else:
             self._count_locality(meta, encoded)
