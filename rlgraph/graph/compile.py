@@ -71,6 +71,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
             drops=o.drops,
             lag=staleness(g, o),
             streams=o.streams,
+            vectorised=o.vectorised,
             downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if o.drops else [],
             runtime_params=list(o.runtime_params),
             batching=op_batching(g, o, batch_plan),

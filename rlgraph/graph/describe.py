@@ -92,7 +92,8 @@ def ops_table(plan: Plan) -> Table:
     for o in plan.ops:
         _row(t, o.name, o.group, o.batching.dp, o.granularity, _mode(o), o.stage, _inputs(o),
              ", ".join(o.outputs), ", ".join(o.concurrent_with) or "-",
-             _batching(o.batching, o.granularity) + ("; streams its rows in parts" if o.streams else ""))
+             _batching(o.batching, o.granularity) + ("; streams its rows in parts" if o.streams else "")
+             + ("; one body call for all the chunks of a call" if o.vectorised else ""))
     return t
 
 

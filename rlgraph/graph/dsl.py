@@ -202,6 +202,10 @@ class OpSpec:
     doc: str = ""
     drops: bool = False  # the body may drop rows from training (ctx.drop): the plan lists the ops its drops reach
     streams: bool = False  # the body is a generator that yields its rows in parts as they finish
+    # the body computes each chunk (a micro-batch, or a group of a per-group op) on its own rows only, so
+    # the runtime calls it once with every chunk of a call instead of once per chunk; ctx.chunks gives
+    # the chunks' sizes, and a metric output may be a list with one record per chunk (see `op`)
+    vectorised: bool = False
     # the op filters groups and the step refills its batch with more rounds of the ops up to it
     # (dynamic sampling): params ``max_rounds`` and ``on_exhaust`` say how many and what then
     refill: bool = False
@@ -252,6 +256,9 @@ class OpSpec:
         for ref in referenced:
             if ref is not None and ref not in self.params:
                 raise DeclarationError(f"{where}: batching refers to param {ref!r}, which it does not declare")
+        if self.vectorised and (self.streams or self.granularity == "batch"):
+            raise DeclarationError(f"{where}: vectorised=True is for per-sample and per-group ops that return their "
+                                   f"outputs at once; a streaming op or a whole-batch op has one chunk per call already")
         if self.batching and self.batching.per_rank and (self.granularity == "batch" or self.batching.mini_batch):
             raise DeclarationError(f"{where}: Batching(per_rank=True) is for per-sample and per-group ops (one call "
                                    f"per rank); a whole-batch op already runs on every rank at once")
@@ -325,6 +332,7 @@ def op(
     skip_before: str | None = None,
     cost: float = 1.0,
     drops: bool = False,
+    vectorised: bool = False,
 ) -> Callable:
     """Declare a function (or a worker-class method) as an operator.
 
@@ -335,6 +343,13 @@ def op(
     for parts of its call as they finish (``rows``: positions in the call, ``outputs``: its
     per-sample outputs for them), and may ``return`` its other outputs (metrics, state). The
     function is returned unchanged with its `OpSpec` attached; get it back with `op_spec(fn)`.
+
+    ``vectorised=True`` says the body computes each chunk (micro-batch, or group of a per-group
+    op) from that chunk's rows alone, as verl's group-wise estimators do: a call holding several
+    ready chunks then runs the body once on all of them instead of once per chunk. The body
+    finds the chunks' sizes in ``ctx.chunks`` (rows in order) and may give a metric output as a
+    list with one record per chunk, so the step's metrics are what per-chunk calls would give;
+    ``ctx.seed`` is the first chunk's, so a vectorised body should draw no random numbers.
 
         @op(outputs={"token_level_scores": T.float32("response_len")}, group="reward")
         def length_reward(responses: T.int64("response_len"), *, coef: float = 0.01):
@@ -413,6 +428,7 @@ def op(
             doc=inspect.getdoc(f) or "",
             drops=drops,
             streams=inspect.isgeneratorfunction(f),  # a generator body yields its rows in parts
+            vectorised=vectorised,
         )
         f.__rlgraph_op__ = spec  # metadata only: the function itself is unchanged
         return f

@@ -113,6 +113,8 @@ class OpPlan(_Frozen):
                      "written at step t-1-lag (trainer.max_staleness for a stale_ok op, else 0)")
     streams: bool = Field(False, description="the body yields its rows in parts as they finish; ops downstream "
                           "start on each part")
+    vectorised: bool = Field(False, description="the body runs once on all the chunks of a call (each computed from "
+                             "its own rows), not once per chunk; ctx.chunks gives their sizes")
     downstream: list[str] = Field(
         description="for an op that drops rows: the ops that read its outputs, directly or through other ops (its "
         "drops are padding for them); empty otherwise")

@@ -578,6 +578,7 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
         impl="rlgraph.ops.algos.advantage_op:AdvantageWorker.compute_advantage",
         validate=_validate_advantage(granularity),
         uses=_advantage_uses,
+        vectorised=granularity != "batch",  # every estimator computes a group from its own rows
         cost=0.2,
         doc="Advantage estimation; a barrier for whitening estimators, per group for GRPO/RLOO.",
     ).with_(**changes)

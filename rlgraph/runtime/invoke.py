@@ -85,6 +85,9 @@ class OpContext:
     # the op's state outputs the runtime gives to other workers (another group, or the other ranks of this
     # one); a state output not named here is read only where it was written
     exported: frozenset[str] = frozenset()
+    # the sizes of the chunks this call holds, rows in order: one chunk, unless the op is vectorised
+    # (then a metric output may be a list with one record per chunk)
+    chunks: tuple[int, ...] = ()
 
     def event(self, start: float, end: float, lane: int, label: str) -> None:
         """Record something that happened inside this call (times from `time.time()`): the timeline
@@ -194,6 +197,8 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
         axis = ragged[0][0]
         value = value.to(dtype)  # once for the call, not once per row
         width = value.shape[axis + 1]
+        if len(lens) == value.shape[0] and min(lens, default=width) >= width:  # every row is whole: stays dense
+            return value
         return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens, strict=True)]
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
@@ -292,7 +297,7 @@ class Invoker:
 
     def _start(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
                inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None,
-               salt: int = 0) -> tuple[Any, dict, OpContext | None]:
+               salt: int = 0, chunks: tuple[int, ...] = ()) -> tuple[Any, dict, OpContext | None]:
         """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx."""
         bound = self.bound[op.name]
         kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name]) for name in op.inputs
@@ -315,7 +320,7 @@ class Invoker:
                 lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs),
                 group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
                 wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state,
-                exported=self._exported(op))
+                exported=self._exported(op), chunks=chunks or (len(rows),))
         return bound.fn(**kwargs), lengths, ctx
 
     def _exported(self, op: OpPlan) -> frozenset[str]:
@@ -336,10 +341,11 @@ class Invoker:
                 self.state[name] = out[name]
 
     def call(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
-             inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None, salt: int = 0) -> dict[str, Any]:
+             inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None = None, salt: int = 0,
+             chunks: tuple[int, ...] = ()) -> dict[str, Any]:
         """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs. `salt`
-        (a refill round) enters the call's seed."""
-        result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
+        (a refill round) enters the call's seed; `chunks`: a vectorised op's chunk sizes (`OpContext.chunks`)."""
+        result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt, chunks)
         if ctx is not None:
             self.last_dropped = dict(ctx.dropped)
             self.last_events = list(ctx.events)

@@ -111,6 +111,26 @@ def _concat_outputs(plan: Plan, outs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _chunk_metrics(plan: Plan, op: Any, outs: list[dict[str, Any]], n_chunks: int) -> list[dict[str, Any]]:
+    """A call's metric records, one per chunk as the step's metrics average them: a vectorised op's
+    metric output is either one record for the call or a list with one per chunk."""
+    records = [{c: v for c, v in o.items() if plan.columns[c].kind == "metric"} for o in outs]
+    if not op.vectorised:
+        return records
+    per_chunk: list[dict[str, Any]] = [{} for _ in range(n_chunks)]
+    for c, v in records[0].items():
+        if not isinstance(v, list):
+            per_chunk[0][c] = v
+            continue
+        if len(v) != n_chunks:
+            raise OpError(f"op {op.name!r}: metric output {c!r} is a list of {len(v)} records for a call of "
+                          f"{n_chunks} chunks; a vectorised op gives one record per chunk (ctx.chunks) or one "
+                          f"for the call")
+        for record, x in zip(per_chunk, v):
+            record[c] = x
+    return per_chunk
+
+
 def _row_sums(value: Any) -> list[float]:
     if isinstance(value, torch.Tensor):
         return value.reshape(value.shape[0], -1).float().sum(dim=1).tolist()
@@ -161,7 +181,8 @@ class GroupWorker:
         """Run `op_name` on `rows`: get its inputs, call the body, put its outputs. `chunks`: the
         (chunk index, number of rows) of each chunk the call holds, in the order of `rows`; the
         inputs are read with one get and the outputs written with one put, and the body runs once
-        per chunk, seeded by the chunk, so a batched call gives what one call per chunk would.
+        per chunk, seeded by the chunk, so a batched call gives what one call per chunk would (a
+        vectorised op's body runs once on them all: it computes each chunk from its own rows).
         `addresses`: where the rows are in the data plane (`DataPlane.addresses`)."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         self._learn(partition, rows, addresses)
@@ -172,12 +193,15 @@ class GroupWorker:
         with self._failures(op_name, step, chunks[0][0], rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunks[0][0])
         io_s = time.time() - start
+        # a vectorised op's body runs once on all the call's chunks; any other once per chunk
+        calls = ([(chunks[0][0], len(rows), tuple(n for _, n in chunks))] if op.vectorised
+                 else [(index, n, ()) for index, n in chunks])
         at = 0
-        for index, n in chunks:
+        for index, n, sizes in calls:
             sub = rows[at:at + n]
             with self._failures(op_name, step, index, sub, uids[at:at + n]):
                 outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
-                                              _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt))
+                                              _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt, sizes))
             dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
             events += self.invoker.last_events
             at += n
@@ -188,7 +212,7 @@ class GroupWorker:
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
                       start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, **_moved_since(moved)),
-            metrics=[{c: v for c, v in o.items() if self.plan.columns[c].kind == "metric"} for o in outs],
+            metrics=_chunk_metrics(self.plan, op, outs, len(chunks)),
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},

@@ -2,7 +2,7 @@
 
 gen (one call per rank, all of its groups; yields each group as it "finishes": groups sleep in
 proportion to a seeded length, so they finish out of order) -> score (per sample, 2 rows per call)
--> adv (per group) -> update (barrier; state `w` read by gen next step).
+-> adv (per group, vectorised) -> update (barrier; state `w` read by gen next step).
 """
 
 import os
@@ -71,14 +71,21 @@ def score(y: T.float32(L), mask: T.int64(L), *, micro_batch_size: int = 2):
     return {"token_level_scores": s}
 
 
-@op(outputs={"advantages": T.float32(L)}, granularity="group", group="reward")
-def adv(token_level_scores: T.float32(L), mask: T.int64(L), uid: T.int64()):
+@op(outputs={"advantages": T.float32(L), "adv_metrics": T.json().metric()}, granularity="group", group="reward",
+    vectorised=True, cost=0.2)
+def adv(token_level_scores: T.float32(L), mask: T.int64(L), uid: T.int64(), ctx=None):
+    """Vectorised: one body call for every ready group, with one metrics record per group (`ctx.chunks`);
+    cheap (cost < 1), so its ready groups go out in one call."""
     total = (token_level_scores * mask).sum(dim=1)
     out = torch.zeros_like(token_level_scores)
     for u in uid.unique():
         rows = uid == u
         out[rows] = ((total[rows] - total[rows].mean()).unsqueeze(1) * mask[rows])
-    return {"advantages": out}
+    records, at = [], 0
+    for n in ctx.chunks:
+        records.append({"total": float(total[at:at + n].sum()), "groups_count": 1, "chunk_rows_max": n})
+        at += n
+    return {"advantages": out, "adv_metrics": records}
 
 
 @op(outputs={"update_metrics": T.json().metric(), "w": T.float32().state()}, granularity="batch", group="actor")

@@ -169,6 +169,31 @@ def test_ctx_carries_the_plans_batching_and_runtime_params_are_passed_only_when_
     Invoker(plan, "w", 0, 1).call(plan.op("ignores_micro"), 0, 0, [0], [False], {"tokens": [torch.ones(1)]})
 
 
+@op(outputs={"o": T.float32(), "m": T.json().metric()}, granularity="group", group="w", vectorised=True)
+def per_group_total(tokens: T.float32(R), *, ctx=None):
+    """Vectorised: one record per chunk, each chunk's size."""
+    return {"o": tokens.sum(dim=1), "m": [{"rows": n} for n in ctx.chunks]}
+
+
+def test_a_vectorised_op_sees_its_chunks_and_gives_a_metrics_record_per_chunk():
+    from rlgraph.runtime.worker import _chunk_metrics
+
+    plan = rlgraph.compile(_pipeline_with(per_group_total))
+    o = plan.op("per_group_total")
+    assert o.vectorised and not o.streams
+    inv = Invoker(plan, "w", 0, 1)
+    rows = [torch.ones(2)] * 5
+    out = inv.call(o, 0, 3, range(5), [False] * 5, {"tokens": rows}, chunks=(2, 3))
+    assert out["m"] == [{"rows": 2}, {"rows": 3}]
+    assert _chunk_metrics(plan, o, [out], 2) == [{"m": {"rows": 2}}, {"m": {"rows": 3}}]
+    with pytest.raises(OpError, match=r"list of 2 records for a call of 3 chunks"):
+        _chunk_metrics(plan, o, [out], 3)
+    # a call of one chunk (any op that is not vectorised) sees that chunk alone
+    assert inv.call(o, 0, 0, range(2), [False] * 2, {"tokens": rows[:2]})["m"] == [{"rows": 2}]
+    with pytest.raises(rlgraph.DeclarationError, match="vectorised=True is for per-sample and per-group ops"):
+        rlgraph.op_spec(per_group_total).with_(granularity="batch")
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(params={"factor": Param(float, 2.0), "offset": Param(float, 0.0)}),
      r"op 'scale': its body .*:scale does not accept declared param\(s\) \['offset'\]"),

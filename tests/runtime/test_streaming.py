@@ -33,6 +33,7 @@ def test_plan_declares_the_streaming_op():
     plan = _plan()
     gen = plan.op("gen")
     assert gen.streams and gen.batching.per_rank and plan.op("score").streams is False
+    assert plan.op("adv").vectorised and not gen.vectorised
     # one call per rank: 6 prompts x 2 on one rank, in one chunk
     from rlgraph.runtime.scheduler import make_chunks
 
@@ -48,6 +49,10 @@ def test_parts_start_downstream_ops_before_the_call_ends_and_schedules_agree(tq_
                     plane=tq_plane)
     assert _stable(stream) == _stable(sync)
     assert stream[0]["gen/gen_metrics/groups"] == 6 and stream[1]["update/update_metrics/w"] > 1.0
+    # adv is vectorised: however its groups arrive (one call for all six under sync), a record per group
+    assert [r["adv/adv_metrics/groups_count"] for r in stream + sync] == [6] * 4
+    assert all(r["adv/adv_metrics/chunk_rows_max"] == 2 for r in stream + sync)
+    assert [r["timing/adv/calls"] for r in sync] == [1, 1]
     for out, overlaps in ((tmp_path / "stream", True), (tmp_path / "sync", False)):
         spans = _spans(out)
         for step in (0, 1):

@@ -229,3 +229,51 @@ def test_distill_by_hand():
     torch.testing.assert_close(half.advantages, torch.tensor([[0.25, 0.0, -0.5], [-0.5, 1.5, 0.0]]))
     with pytest.raises(ValueError, match="needs student_log_probs"):
         compute_advantage("distill", rewards, mask, torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize("estimator, use_kl", [("grpo", False), ("rloo", False), ("grpo", True), ("drgrpo", True)])
+def test_a_vectorised_advantage_call_gives_what_one_call_per_group_gives(estimator, use_kl):
+    """The advantage op is vectorised: one body call on every ready group gives each group's
+    advantages bit for bit, one metrics record per group, and the same KL-controller history as
+    a call per group (the adaptive controller's update reads one KL per group)."""
+    from rlgraph.ops.algos.advantage_op import AdvantageWorker
+    from rlgraph.runtime.invoke import OpContext
+
+    if estimator not in ESTIMATORS:
+        pytest.skip(f"no estimator {estimator!r}")
+    n, groups, T = 4, 5, 6
+    g = torch.Generator().manual_seed(0)
+    b = n * groups
+    lengths = torch.randint(1, T + 1, (b,), generator=g)
+    mask = (torch.arange(T) < lengths.unsqueeze(-1)).long()
+    scores = torch.zeros(b, T)
+    scores[torch.arange(b), lengths - 1] = torch.rand(b, generator=g)
+    old, ref = -torch.rand(b, T, generator=g), -torch.rand(b, T, generator=g)
+    uid = torch.arange(groups).repeat_interleave(n)
+    pad = torch.zeros(b, dtype=torch.bool)
+    pad[-n:] = True  # the last group is padding
+    kw = dict(estimator=estimator, gamma=1.0, lam=1.0, norm_adv_by_std=True, use_kl_in_reward=use_kl,
+              kl_penalty="kl", kl_coef=0.01, kl_ctrl="adaptive", kl_target=0.1, kl_horizon=100)
+
+    def ctx(step, chunks):
+        return OpContext(op="advantage", group="g", rank=0, dp=1, step=step, chunk=0, seed=0, rows=(), is_padding=(),
+                         chunks=chunks)
+
+    whole, per_group = AdvantageWorker(), AdvantageWorker()
+    whole.setup(None)
+    per_group.setup(None)
+    for step in (0, 1):  # step 1's controller adapts to step 0's per-group KLs
+        one = whole.compute_advantage(scores, mask, uid, pad, old_log_probs=old, ref_log_prob=ref,
+                                      ctx=ctx(step, (n,) * groups), **kw)
+        calls = [per_group.compute_advantage(scores[i:i + n], mask[i:i + n], uid[i:i + n], pad[i:i + n],
+                                             old_log_probs=old[i:i + n], ref_log_prob=ref[i:i + n],
+                                             ctx=ctx(step, (n,)), **kw) for i in range(0, b, n)]
+        for col in ("advantages", "returns", "token_level_rewards"):
+            assert torch.equal(one[col], torch.cat([c[col] for c in calls])), col
+        assert len(one["advantage_metrics"]) == groups
+        for got, call in zip(one["advantage_metrics"], calls):
+            (want,) = call["advantage_metrics"]
+            assert got.keys() == want.keys() and got == pytest.approx(want, rel=1e-6, abs=1e-7)
+        assert whole.state_dict() == per_group.state_dict()
+    if use_kl:
+        assert "kl" in one["advantage_metrics"][0] and len(whole.step_kl) == groups
