@@ -1,10 +1,11 @@
 """Issue 25 item 6: start-up of `rlgraph run examples/grpo.py`, phase by phase.
 
 Each run is `rlgraph run examples/grpo.py --steps 2` in a process of its own (the policy prepared
-beforehand, as a user's second run finds it). Runs alternate between rlgraph as it is and rlgraph
+beforehand, as a user's second run finds it). Runs alternate between rlgraph as it is, rlgraph
 with ``RLGRAPH_LEAN_TENSORDICT=0`` (tensordict imported as it is, with `torch._dynamo`: what every
-data-plane process paid before `rlgraph.runtime.dataplane.lean`), so the machine's noise falls
-on both alike. The table gives medians over the runs of: start-up (process start to the first
+data-plane process paid before `rlgraph.runtime.dataplane.lean`) and rlgraph with
+``RLGRAPH_TQ_EARLY_UNITS=0`` (TransferQueue's storage units started once its controller is up, as
+``tq.init`` orders them, not beside it), so the machine's noise falls on all alike. The table gives medians over the runs of: start-up (process start to the first
 step's start, as in the TRL comparison), each phase line the run prints, and the CPU time the
 whole machine spent until the first step's end (all processes: Ray's, the workers', TQ's; from
 /proc/stat), which shows whether start-up is bound by the CPU.
@@ -30,7 +31,8 @@ PHASES = {  # phase -> the pattern of its line (seconds in the first group)
     "data plane (beside the workers)": r"data plane: .*\(([\d.]+)s, beside",
     "models loaded, after the workers": r"model load: .*\(([\d.]+)s\)",
 }
-VARIANTS = {"rlgraph": {"RLGRAPH_LEAN_TENSORDICT": "1"}, "tensordict as it is": {"RLGRAPH_LEAN_TENSORDICT": "0"}}
+VARIANTS = {"rlgraph": {"RLGRAPH_LEAN_TENSORDICT": "1"}, "tensordict as it is": {"RLGRAPH_LEAN_TENSORDICT": "0"},
+            "TQ's units after its controller": {"RLGRAPH_TQ_EARLY_UNITS": "0"}}
 TIMEOUT_S = 300  # one run, start-up and two steps
 
 
@@ -96,11 +98,12 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
             k, f"{k} (s)")
         table.add(label, *[statistics.median(x[k] for x in got[name]) for name in VARIANTS])
     table.print()
-    lean, full = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
+    lean, full, late = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
     cores = os.cpu_count() or 1
     cpu = statistics.median(x["cpu"] for x in got["rlgraph"])
     wall = statistics.median(x["wall to step 0's end"] for x in got["rlgraph"])
-    notes = (f"Start-up {lean:.1f} s against {full:.1f} s with tensordict imported as it is. The machine was busy "
+    notes = (f"Start-up {lean:.1f} s against {full:.1f} s with tensordict imported as it is, and {late:.1f} s with "
+             f"TransferQueue's storage units started after its controller (TQ's own order). The machine was busy "
              f"{cpu:.0f} CPU seconds until step 0 ended, {cpu / (wall * cores):.0%} of its {cores} cores over those "
              f"{wall:.1f} s: start-up is bound by the CPU (seven Python processes each import torch; the actor "
              f"imports transformers' model code, the driver, data source and reward worker only its tokenizers), so it "

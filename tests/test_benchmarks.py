@@ -256,14 +256,15 @@ def test_trl_peer_quick(tmp_path):
 
 @pytest.mark.bench
 def test_startup_quick(tmp_path):
-    """Start-up of the GRPO example, lean and with tensordict imported as it is: every phase tabled."""
+    """Start-up of the GRPO example, lean, with tensordict imported as it is and with TQ's units started
+    after its controller: every phase tabled."""
     from benchmarks import startup
 
     doc = tmp_path / "perf.md"
     common.write_section(startup.run(quick=True), doc)
     rows = table_rows(doc.read_text(), "startup")
     head, *body = [r for i, r in enumerate(rows) if i != 1]
-    assert head[1:] == ["rlgraph", "tensordict as it is"]
+    assert head[1:] == ["rlgraph", "tensordict as it is", "TQ's units after its controller"]
     got = {b[0]: [num(c) for c in b[1:]] for b in body}
     assert len(got) == 7 and all(v > 0 for vs in got.values() for v in vs)
     assert got["start-up to the first step (s)"][0] < got["wall to step 0's end (s)"][0]

@@ -143,12 +143,24 @@ def to_call_value(col: ColumnPlan, values: Any) -> Any:
         return list(values) if isinstance(values, tuple) else values
     if isinstance(values, torch.Tensor):
         return values
-    rows = [torch.as_tensor(v) for v in values]
+    rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
     if not rows:
         return torch.empty((0,), dtype=TORCH_DTYPES[col.dtype])
     if any(isinstance(d, str) for d in col.shape):
+        if all(r.dim() == 1 for r in rows):  # token rows: one copy into place, not one per row
+            return _pad_rows(rows).to(TORCH_DTYPES[col.dtype])
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(TORCH_DTYPES[col.dtype])
     return torch.stack(rows).to(TORCH_DTYPES[col.dtype])
+
+
+def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """1-D rows right-padded with zeros to ``[len(rows), longest]`` (what ``pad_sequence`` gives)."""
+    lengths = torch.tensor([r.shape[0] for r in rows])
+    width = int(lengths.max())
+    flat = torch.cat(rows)
+    out = flat.new_zeros((len(rows), width))
+    out[torch.arange(width) < lengths.unsqueeze(1)] = flat  # row-major: each row's tokens, in order
+    return out
 
 
 def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> dict[str, list[int]]:

@@ -245,3 +245,12 @@ def test_only_an_op_declared_to_drop_rows_may_drop_them():
     inv = Invoker(plan, "w", 0, 1)
     inv.call(plan.op("drops_declared"), 0, 0, [0, 1], [False, False], {"tokens": [torch.ones(1), torch.ones(1)]})
     assert inv.last_dropped == {1: ("bad", True)}
+
+
+@pytest.mark.parametrize("lengths", [[3, 1, 4, 0, 2], [0, 0], [5]])
+def test_ragged_token_rows_are_padded_as_pad_sequence_pads_them(lengths):
+    from rlgraph.runtime.invoke import _pad_rows
+
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(1, 9, (n,), generator=g) for n in lengths]
+    assert torch.equal(_pad_rows(rows), torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))

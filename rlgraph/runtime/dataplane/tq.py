@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
 # TQ reads TQ_NUM_THREADS at import; its default (8) exceeds small machines' cores and makes
 # every put/get log a warning. An explicit setting by the user wins.
@@ -639,20 +640,91 @@ def _run_tq_init(config: TransferQueueConfig, secret: str) -> None:
     originals = {tq_interface: tq_interface.TransferQueueController, tq_bootstrap: tq_bootstrap.SimpleStorageUnit}
     tq_interface.TransferQueueController = guard.guarded_actor_class(originals[tq_interface], secret)
     tq_bootstrap.SimpleStorageUnit = guard.guarded_actor_class(originals[tq_bootstrap], secret)
+    early = _EarlyUnits(_tq_conf(config), config.start_timeout_s)
     try:
-        _tq_init_with_timeout(config)
+        with early.installed():
+            _tq_init_with_timeout(config)
     finally:
         tq_interface.TransferQueueController = originals[tq_interface]
         tq_bootstrap.SimpleStorageUnit = originals[tq_bootstrap]
 
 
+def _tq_conf(config: TransferQueueConfig) -> dict[str, Any]:
+    """The settings rlgraph gives ``tq.init`` (merged there over TQ's own config.yaml)."""
+    return {"backend": {"SimpleStorage": {
+        "num_data_storage_units": config.num_storage_units,
+        "total_storage_size": config.total_storage_size,
+    }}}
+
+
+class _EarlyUnits:
+    """TQ's ``tq.init`` starts its storage units only once its controller is up (it waits for the
+    controller's address first), so at start-up, when every new process competes for the CPU,
+    the units' start follows the controller's. Nothing of the units' own depends on the
+    controller: this starts them beside it, with TQ's own SimpleStorage bootstrap on a thread and
+    the config ``tq.init`` would give it, and hands them to ``tq.init`` when it asks its storage
+    provider for them."""
+
+    def __init__(self, conf: dict[str, Any], timeout_s: float) -> None:
+        from importlib import resources
+
+        from omegaconf import OmegaConf
+
+        self.timeout_s = timeout_s
+        # as tq.init merges it: TQ's defaults, then rlgraph's settings
+        merged = OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}),
+                                 OmegaConf.load(resources.files("transfer_queue") / "config.yaml"), conf)
+        self.conf = merged
+        self.handles: Any = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from transfer_queue.storage.bootstrap import StorageBootstrapProvider
+
+        providers = StorageBootstrapProvider._providers
+        key = str(self.conf.backend.storage_backend).lower()
+        original = providers.get(key)
+        # another backend, or RLGRAPH_TQ_EARLY_UNITS=0 (TQ's own order; the start-up benchmark's baseline):
+        # tq.init starts the units as it does
+        if key != "simplestorage" or original is None or os.environ.get("RLGRAPH_TQ_EARLY_UNITS", "1") == "0":
+            yield
+            return
+        self._thread = threading.Thread(target=self._start, args=(original,), name="rlgraph_tq_units", daemon=True)
+        self._thread.start()
+        providers[key] = self._provide
+        try:
+            yield
+        finally:
+            providers[key] = original
+
+    def _start(self, bootstrap: Callable[[Any], Any]) -> None:
+        try:  # creates the units, then waits for each one's address (TQ's process_zmq_server_info)
+            self.handles = bootstrap(self.conf)
+        except BaseException as e:  # given to tq.init's thread when it asks for the units
+            self.error = e
+
+    def _provide(self, final_conf: Any) -> Any:
+        """tq.init's storage provider: the units started early, their addresses in its config."""
+        assert self._thread is not None
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise DataPlaneError(f"TransferQueue's storage units did not start within {self.timeout_s}s")
+        if self.error is not None:
+            raise self.error
+        ours, theirs = dict(self.conf.backend.SimpleStorage), dict(final_conf.backend.SimpleStorage)
+        ours.pop("zmq_info", None)
+        theirs.pop("zmq_info", None)
+        if ours != theirs:  # tq.init merged another config than the one the units were started with
+            raise DataPlaneError(f"TransferQueue's storage units were started with {ours}, but tq.init asks for "
+                                 f"{theirs}; this TransferQueue version merges its config differently")
+        final_conf.backend.SimpleStorage.zmq_info = self.conf.backend.SimpleStorage.zmq_info
+        return self.handles
+
+
 def _tq_init_with_timeout(config: TransferQueueConfig) -> None:
-    conf = {
-        "backend": {"SimpleStorage": {
-            "num_data_storage_units": config.num_storage_units,
-            "total_storage_size": config.total_storage_size,
-        }},
-    }
+    conf = _tq_conf(config)
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:

@@ -398,3 +398,43 @@ def test_row_nbytes_splits_a_column_per_row():
     assert row_nbytes(ragged, 2) == [16, 40]
     assert row_nbytes(torch.nested.nested_tensor(ragged, layout=torch.jagged), 2) == [16, 40]
     assert row_nbytes(["ab", "\u00e9"], 2) == [2, 2]
+
+
+def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it_asks():
+    """`_EarlyUnits` starts TQ's storage units beside its controller (TQ would start them after);
+    tq.init's storage provider then gets those units, with their addresses in its config, but
+    only if tq.init merged the very config they were started with."""
+    import threading
+
+    from omegaconf import OmegaConf
+
+    from rlgraph.runtime.dataplane.tq import TransferQueueConfig, _EarlyUnits, _tq_conf
+
+    started = []
+
+    def bootstrap(conf):  # TQ's SimpleStorage bootstrap: creates the units, sets their addresses
+        started.append(threading.current_thread().name)
+        conf.backend.SimpleStorage.zmq_info = {"TransferQueueStorageUnit#0": "addr"}
+        return {"TransferQueueStorageUnit#0": "handle"}
+
+    from transfer_queue.storage.bootstrap import StorageBootstrapProvider
+
+    providers = StorageBootstrapProvider._providers
+    original = providers["simplestorage"]
+    config = TransferQueueConfig(num_storage_units=1)
+    try:
+        providers["simplestorage"] = bootstrap
+        early = _EarlyUnits(_tq_conf(config), timeout_s=10)
+        with early.installed():
+            final = early.conf.copy()
+            final.backend.SimpleStorage.zmq_info = None
+            assert StorageBootstrapProvider.get_provider("SimpleStorage")(final) == {"TransferQueueStorageUnit#0":
+                                                                                      "handle"}
+            assert final.backend.SimpleStorage.zmq_info == {"TransferQueueStorageUnit#0": "addr"}
+            other = OmegaConf.merge(final, {"backend": {"SimpleStorage": {"num_data_storage_units": 2}}})
+            with pytest.raises(DataPlaneError, match="were started with .* but tq.init asks for"):
+                early._provide(other)
+        assert started == ["rlgraph_tq_units"]
+        assert StorageBootstrapProvider.get_provider("SimpleStorage") is bootstrap  # put back
+    finally:
+        providers["simplestorage"] = original
