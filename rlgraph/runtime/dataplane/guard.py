@@ -155,10 +155,11 @@ def install(secret: str) -> None:
         _secret = secret  # the handlers read it at each handshake
 
 
-def guarded_actor_class(actor_class: Any, secret: str) -> Any:
+def guarded_actor_class(actor_class: Any, secret: str, mixins: tuple[type, ...] = ()) -> Any:
     """A Ray actor class made from TransferQueue's `actor_class` (``@ray.remote`` on TQ's class)
-    whose constructor installs `secret` before TQ's constructor opens its sockets. Its CPUs and
-    GPUs are TQ's."""
+    whose constructor installs `secret` before TQ's constructor opens its sockets; `mixins` come
+    before TQ's class (`rlgraph.runtime.dataplane.unit.DirectUnit` for a storage unit). Its CPUs
+    and GPUs are TQ's."""
     import ray
 
     meta = actor_class.__ray_metadata__
@@ -167,7 +168,7 @@ def guarded_actor_class(actor_class: Any, secret: str) -> Any:
     from rlgraph.runtime.dataplane.lean import LeanImports
 
     # LeanImports first: the actor's process imports tensordict the lean way before TQ's modules
-    class Guarded(LeanImports, base):  # type: ignore[misc, valid-type]
+    class Guarded(LeanImports, *mixins, base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             from rlgraph.runtime.dataplane import guard
 

@@ -66,6 +66,7 @@ from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E4
 )
 
 from rlgraph.runtime.dataplane import cells, guard, shm  # noqa: E402
+from rlgraph.runtime.dataplane.unit import DirectUnit  # noqa: E402
 from rlgraph.runtime.dataplane.wire import WATCH_S, Wire  # noqa: E402
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
@@ -633,13 +634,13 @@ def _run_tq_init(config: TransferQueueConfig, secret: str) -> None:
     """``tq.init`` under a timeout. It waits on Ray actors without one; if they never start we
     kill what it created, which makes its pending ``ray.get`` fail and frees its thread. TQ's
     controller and storage units start as `guard.guarded_actor_class`es: their sockets admit only
-    processes presenting `secret`."""
+    processes presenting `secret`, and each unit is served by one thread (`unit.DirectUnit`)."""
     import transfer_queue.interface as tq_interface
     from transfer_queue.storage.bootstrap import simple_storage_bootstrap as tq_bootstrap
 
     originals = {tq_interface: tq_interface.TransferQueueController, tq_bootstrap: tq_bootstrap.SimpleStorageUnit}
     tq_interface.TransferQueueController = guard.guarded_actor_class(originals[tq_interface], secret)
-    tq_bootstrap.SimpleStorageUnit = guard.guarded_actor_class(originals[tq_bootstrap], secret)
+    tq_bootstrap.SimpleStorageUnit = guard.guarded_actor_class(originals[tq_bootstrap], secret, (DirectUnit,))
     early = _EarlyUnits(_tq_conf(config), config.start_timeout_s)
     try:
         with early.installed():

@@ -1,0 +1,96 @@
+"""TransferQueue's storage unit, served by one thread.
+
+TQ's ``SimpleStorageUnit`` takes each request on a proxy thread (its ROUTER socket) and forwards
+it over an inproc socket to a worker thread, which answers back through the proxy: every put and
+get crosses two Python threads twice, a GIL hand-off each way. Around each request it also caps
+torch's threads (``limit_pytorch_auto_parallel_threads``: ``psutil.cpu_count`` and two
+``torch.set_num_threads``), for tensor aggregation that a unit storing rlgraph's cells never does
+(they arrive as bytes, `rlgraph.runtime.dataplane.cells`, and leave as bytes).
+
+`DirectUnit`, mixed into the unit's actor class (`guard.guarded_actor_class`), serves the ROUTER
+socket on one thread with TQ's own request handler (``_process_one_worker_request``), after the
+same client-identity check TQ's proxy makes, and without the thread cap. The protocol, the
+storage and the handlers are TQ's; only the hop is gone (and the unit's half-second sleep at
+start-up, which waited for the worker thread). ``RLGRAPH_TQ_DIRECT_UNIT=0`` (in the environment
+Ray's processes start with) keeps TQ's proxy and worker threads, for side-by-side measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import threading
+from typing import Any, Iterator
+
+__all__ = ["DirectUnit", "ENV"]
+
+ENV = "RLGRAPH_TQ_DIRECT_UNIT"
+
+
+@contextlib.contextmanager
+def _no_thread_cap(*_: Any, **__: Any) -> Iterator[None]:
+    yield
+
+
+class _Received:
+    """A request already read from the ROUTER socket, for TQ's handler, which reads its request
+    from the socket it is given and sends the answer back on it."""
+
+    def __init__(self, socket: Any, frames: list[Any]) -> None:
+        self._socket, self._frames = socket, frames
+
+    def recv_multipart(self, copy: bool = False) -> list[Any]:
+        frames, self._frames = self._frames, []
+        return frames
+
+    def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
+        self._socket.send_multipart(frames, copy=copy)
+
+
+class DirectUnit:
+    """Mixin for TQ's ``SimpleStorageUnit`` (see the module): one thread serves its requests."""
+
+    storage_unit_id: str
+    put_get_socket: Any
+    worker_thread: Any
+    _shutdown_event: threading.Event
+
+    def _start_process_put_get(self) -> None:
+        if os.environ.get(ENV, "1") == "0":
+            super()._start_process_put_get()  # type: ignore[misc]
+            return
+        # the handlers' own globals (Ray ships TQ's class by value, so they need not be the module's),
+        # in this unit's process only
+        for handler in ("_handle_put", "_handle_get", "_handle_clear"):
+            fn = inspect.unwrap(getattr(type(self), handler))  # under TQ's timing decorators
+            fn.__globals__["limit_pytorch_auto_parallel_threads"] = _no_thread_cap
+        self.worker_thread = threading.Thread(target=self._serve, name=f"StorageUnitThread-{self.storage_unit_id}",
+                                              daemon=True)
+        self.worker_thread.start()
+
+    def _serve(self) -> None:
+        import zmq
+        from transfer_queue.storage.simple_storage import STORAGE_CLIENT_IDENTITY_PREFIXES, IntervalPerfMonitor
+
+        front = self.put_get_socket
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        monitor = IntervalPerfMonitor(caller_name=f"{self.storage_unit_id}")
+        while not self._shutdown_event.is_set():
+            try:
+                if not poller.poll(1000):  # bounded, so that a shutdown is seen within a second
+                    continue
+                frames = front.recv_multipart(copy=False)
+            except zmq.ContextTerminated:
+                return
+            if not frames or not bytes(frames[0]).startswith(STORAGE_CLIENT_IDENTITY_PREFIXES):
+                continue  # not a TransferQueue client: dropped, as TQ's proxy drops it
+            exporter = getattr(self, "_metrics", None)
+            try:
+                self._process_one_worker_request(_Received(front, frames),  # type: ignore[attr-defined]
+                                                 exporter if exporter is not None else monitor)
+            except zmq.ContextTerminated:
+                return
+            finally:
+                del frames
