@@ -24,12 +24,17 @@ when the update makes one optimizer step per step). Not matched exactly (what ea
 - processes: rlgraph runs the actor, the reward and advantage workers, the data source and
   TransferQueue's controller and storage unit as processes of their own; TRL is one process.
 
+"TRL, 1 thread" is TRL again with one torch thread (``OMP_NUM_THREADS=1``), the threads rlgraph's
+actor computes with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
+is against TRL with its default threads.
+
     .venv/bin/python -m benchmarks.run trl_peer     # needs pip install 'rlgraph[bench]'
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +47,7 @@ from benchmarks import common
 from rlgraph.runtime.metrics import read_metrics
 
 N = 8
+ONE_THREAD = "TRL, 1 thread"  # TRL with the threads of rlgraph's actor: the same passes in one process, same threads
 SETTINGS = [(16, 45, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
 QUICK = [(4, 3, 0)]
 
@@ -82,12 +88,14 @@ def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int) -> dict
             "wall": wall, "startup": ends[0] - t0 - records[0]["timing/step_s"]}
 
 
-def _trl(model: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, Any]:
+def _trl(model: str, batch: int, steps: int, out: Path, seed: int, threads: int = 0) -> dict[str, Any]:
+    """One TRL run; `threads`: torch's threads in its process (0: torch's default, the machine's cores)."""
     cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--model", model, "--batch", str(batch), "--n", str(N),
            "--steps", str(steps), "--out", str(out / "steps.jsonl"), "--seed", str(seed)]
     out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.time()
-    proc = subprocess.run(cmd + ["--t0", str(t0)], cwd=common.ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd + ["--t0", str(t0)], cwd=common.ROOT, capture_output=True, text=True, env=env)
     wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -123,12 +131,13 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
     chart: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for batch, steps, skip in settings:
-            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], "rlgraph async k=1": [], "TRL": []}
+            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], "rlgraph async k=1": [], "TRL": [],
+                                                    ONE_THREAD: []}
             for r in range(runs):
                 for name in got:
-                    out = Path(tmp) / f"{name.replace(' ', '_')}-{batch}-{r}"
-                    if name == "TRL":
-                        got[name].append(_trl(model, batch, steps, out, seed=r))
+                    out = Path(tmp) / f"{name.replace(' ', '_').replace(',', '')}-{batch}-{r}"
+                    if name.startswith("TRL"):
+                        got[name].append(_trl(model, batch, steps, out, seed=r, threads=1 if name == ONE_THREAD else 0))
                     else:
                         example = "grpo_async.py" if "async" in name else "grpo.py"
                         got[name].append(_rlgraph(example, batch, steps, out, seed=r))
