@@ -195,8 +195,11 @@ def schedule_section(plan: Plan) -> RenderableType:
     for op, why in plan.reused.items():
         _row(grid, "left out", f"{op}: {why}")
     batched = [o.name for o in plan.ops if plan.batches_calls(o.name)]
+    vectorised = [o for o in batched if plan.op(o).vectorised]
     _row(grid, "batched calls", (", ".join(batched) + ": ready chunks go out together, one call per rank (one get, "
-                                 "one put; the body still runs once per chunk)") if batched else "none")
+                                 "one put; the body still runs once per chunk"
+                                 + (f", except {', '.join(vectorised)}'s, vectorised: once per call" if vectorised
+                                    else "") + ")") if batched else "none")
     return Group(Text("schedule", style="bold"), grid)
 
 

@@ -578,7 +578,8 @@ def advantage(estimator: str = "gae", group: str = "advantage", **changes: Any) 
         impl="rlgraph.ops.algos.advantage_op:AdvantageWorker.compute_advantage",
         validate=_validate_advantage(granularity),
         uses=_advantage_uses,
-        vectorised=granularity != "batch",  # every estimator computes a group from its own rows
+        # every estimator computes a group from its own rows (a whole-batch one has one chunk per call)
+        vectorised=changes.get("granularity", granularity) != "batch",
         cost=0.2,
         doc="Advantage estimation; a barrier for whitening estimators, per group for GRPO/RLOO.",
     ).with_(**changes)

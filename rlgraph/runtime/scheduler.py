@@ -28,7 +28,8 @@ several ranks is a worker pool); a barrier chunk waits for every rank of its gro
 into contiguous shards. **Batched calls:** when several chunks of an op (not a barrier, not a
 per-rank or streaming op) are ready at once, they go out together: a call takes its share of
 the ready chunks over the group's ranks (all of them on one rank, half on two); the worker reads
-their inputs with one get, runs the body once per chunk (so results do not change) and writes
+their inputs with one get, runs the body once per chunk (so results do not change; a vectorised
+op's body, which computes each chunk from its own rows, once on all of them) and writes
 the outputs with one put. Sixteen ready GRPO groups cost one round trip, not sixteen. Batching
 trades overlap for round trips, so an op is batched only when it is cheap (its ``cost`` hint is
 below 1: reward, advantage) or nothing on another pool reads its outputs (ref before the update

@@ -206,13 +206,15 @@ class GroupWorker:
             events += self.invoker.last_events
             at += n
         out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
+        with self._failures(op_name, step, chunks[0][0], rows, uids):  # before the put: a bad list writes nothing
+            metrics = _chunk_metrics(self.plan, op, outs, len(chunks))
         put_at = time.time()
         self._put(partition, rows, out)
         end = time.time()
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
                       start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, **_moved_since(moved)),
-            metrics=_chunk_metrics(self.plan, op, outs, len(chunks)),
+            metrics=metrics,
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},

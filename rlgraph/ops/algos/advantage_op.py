@@ -73,7 +73,9 @@ class AdvantageWorker:
         _record(metrics, "advantages/mean", _chunk_means(res.advantages, mask, sizes))
         _record(metrics, "returns/mean", _chunk_means(res.returns, mask, sizes))
         return {"advantages": res.advantages * mask, "returns": res.returns * mask,
-                "token_level_rewards": rewards * mask, "advantage_metrics": metrics}
+                "token_level_rewards": rewards * mask,
+                # one record per chunk of a vectorised call; one record (not a list) for a call of one chunk
+                "advantage_metrics": metrics if len(metrics) > 1 else metrics[0]}
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,

@@ -641,9 +641,9 @@ def _run_tq_init(config: TransferQueueConfig, secret: str) -> None:
     originals = {tq_interface: tq_interface.TransferQueueController, tq_bootstrap: tq_bootstrap.SimpleStorageUnit}
     tq_interface.TransferQueueController = guard.guarded_actor_class(originals[tq_interface], secret)
     tq_bootstrap.SimpleStorageUnit = guard.guarded_actor_class(originals[tq_bootstrap], secret, (DirectUnit,))
-    early = _EarlyUnits(_tq_conf(config), config.start_timeout_s)
     try:
-        with early.installed():
+        early = _EarlyUnits(_tq_conf(config), config.start_timeout_s)
+        with early.installed():  # its exit waits for the units' thread: the guarded class is still the one used
             _tq_init_with_timeout(config)
     finally:
         tq_interface.TransferQueueController = originals[tq_interface]
@@ -678,6 +678,7 @@ class _EarlyUnits:
         self.conf = merged
         self.handles: Any = None
         self.error: BaseException | None = None
+        self.handed = False  # tq.init took the units (else they are killed when `installed` ends)
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -699,6 +700,13 @@ class _EarlyUnits:
             yield
         finally:
             providers[key] = original
+            # tq.init failed or took another way (another controller was found): the units must not
+            # outlive it. Their thread ends once they are up, or once tq.init's failure path killed them
+            self._thread.join(min(self.timeout_s, 30.0))
+            if not self.handed and self.handles:
+                for handle in self.handles.values():
+                    with contextlib.suppress(Exception):
+                        ray.kill(handle)
 
     def _start(self, bootstrap: Callable[[Any], Any]) -> None:
         try:  # creates the units, then waits for each one's address (TQ's process_zmq_server_info)
@@ -721,6 +729,7 @@ class _EarlyUnits:
             raise DataPlaneError(f"TransferQueue's storage units were started with {ours}, but tq.init asks for "
                                  f"{theirs}; this TransferQueue version merges its config differently")
         final_conf.backend.SimpleStorage.zmq_info = self.conf.backend.SimpleStorage.zmq_info
+        self.handed = True
         return self.handles
 
 

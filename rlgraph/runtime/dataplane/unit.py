@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import threading
 from typing import Any, Iterator
@@ -26,6 +27,7 @@ from typing import Any, Iterator
 __all__ = ["DirectUnit", "ENV"]
 
 ENV = "RLGRAPH_TQ_DIRECT_UNIT"
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -84,6 +86,9 @@ class DirectUnit:
                 frames = front.recv_multipart(copy=False)
             except zmq.ContextTerminated:
                 return
+            except zmq.ZMQError as e:  # as TQ's worker thread does: say so and poll again
+                log.warning("storage unit %s: poll failed: %s", self.storage_unit_id, e)
+                continue
             if not frames or not bytes(frames[0]).startswith(STORAGE_CLIENT_IDENTITY_PREFIXES):
                 continue  # not a TransferQueue client: dropped, as TQ's proxy drops it
             exporter = getattr(self, "_metrics", None)
@@ -92,5 +97,7 @@ class DirectUnit:
                                                  exporter if exporter is not None else monitor)
             except zmq.ContextTerminated:
                 return
+            except Exception:  # one request's failure (its client times out naming the unit); the unit serves on
+                log.exception("storage unit %s: a request failed", self.storage_unit_id)
             finally:
                 del frames

@@ -272,8 +272,30 @@ def test_a_vectorised_advantage_call_gives_what_one_call_per_group_gives(estimat
             assert torch.equal(one[col], torch.cat([c[col] for c in calls])), col
         assert len(one["advantage_metrics"]) == groups
         for got, call in zip(one["advantage_metrics"], calls):
-            (want,) = call["advantage_metrics"]
+            want = call["advantage_metrics"]  # a call of one chunk: one record, not a list
             assert got.keys() == want.keys() and got == pytest.approx(want, rel=1e-6, abs=1e-7)
         assert whole.state_dict() == per_group.state_dict()
     if use_kl:
         assert "kl" in one["advantage_metrics"][0] and len(whole.step_kl) == groups
+
+
+def test_a_whole_batch_estimator_reports_one_metrics_record():
+    """GAE is not vectorised (one chunk per call): its metrics are one record, which the step's
+    metrics flatten (a list would be dropped)."""
+    from rlgraph.ops.algos.advantage_op import AdvantageWorker
+    from rlgraph.runtime.invoke import OpContext
+    from rlgraph.runtime.metrics import flatten_metrics
+
+    assert not stages.advantage("gae").vectorised and stages.advantage("grpo").vectorised
+    assert not stages.advantage("grpo", granularity="batch").vectorised  # an override of the granularity
+    w = AdvantageWorker()
+    w.setup(None)
+    b, T = 4, 3
+    out = w.compute_advantage(torch.rand(b, T), torch.ones(b, T, dtype=torch.long), torch.arange(b),
+                              torch.zeros(b, dtype=torch.bool), values=torch.rand(b, T), estimator="gae", gamma=1.0,
+                              lam=1.0, norm_adv_by_std=True, use_kl_in_reward=False, kl_penalty="kl", kl_coef=0.0,
+                              kl_ctrl="fixed", kl_target=0.1, kl_horizon=100,
+                              ctx=OpContext(op="advantage", group="g", rank=0, dp=1, step=0, chunk=0, seed=0, rows=(),
+                                            is_padding=(), chunks=(b,)))
+    flat = flatten_metrics("advantage", {"advantage_metrics": out["advantage_metrics"]})
+    assert {"advantage/advantage_metrics/advantages/mean", "advantage/advantage_metrics/returns/mean"} <= set(flat)

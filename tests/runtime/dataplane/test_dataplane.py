@@ -400,7 +400,7 @@ def test_row_nbytes_splits_a_column_per_row():
     assert row_nbytes(["ab", "\u00e9"], 2) == [2, 2]
 
 
-def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it_asks():
+def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it_asks(monkeypatch):
     """`_EarlyUnits` starts TQ's storage units beside its controller (TQ would start them after);
     tq.init's storage provider then gets those units, with their addresses in its config, but
     only if tq.init merged the very config they were started with."""
@@ -408,6 +408,7 @@ def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it
 
     from omegaconf import OmegaConf
 
+    from rlgraph.runtime.dataplane import tq as tq_mod
     from rlgraph.runtime.dataplane.tq import TransferQueueConfig, _EarlyUnits, _tq_conf
 
     started = []
@@ -436,5 +437,13 @@ def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it
                 early._provide(other)
         assert started == ["rlgraph_tq_units"]
         assert StorageBootstrapProvider.get_provider("SimpleStorage") is bootstrap  # put back
+        # tq.init that never asks for the units (it failed, or found another controller): they are killed
+        killed = []
+        monkeypatch.setattr(tq_mod.ray, "kill", killed.append)
+        unasked = _EarlyUnits(_tq_conf(config), timeout_s=10)
+        with unasked.installed():
+            pass
+        assert killed == ["handle"] and not unasked.handed
+        assert early.handed  # the first one's units went to tq.init: left alone
     finally:
         providers["simplestorage"] = original

@@ -34,6 +34,8 @@ class _FakeTQUnit:
     def _process_one_worker_request(self, socket, monitor) -> None:
         identity, *frames = socket.recv_multipart(copy=False)
         self.handled.append(bytes(frames[0]))
+        if bytes(frames[0]) == b"break":
+            raise RuntimeError("a request the handler cannot answer")
         socket.send_multipart([identity, b"answer:" + bytes(frames[0])], copy=False)
 
     def _handle_put(self):
@@ -67,9 +69,10 @@ def test_one_thread_answers_tq_clients_drops_others_and_stops_on_shutdown(monkey
         stranger = _client(ctx, u.port, b"someone_else", timeout_ms=300)
         stranger.send_multipart([b"hello"])
         tq = _client(ctx, u.port, b"TQ_STORAGE_client_1")
+        tq.send_multipart([b"break"])  # the handler fails on it: the thread serves on
         tq.send_multipart([b"get"])
         assert tq.recv_multipart() == [b"answer:get"]
-        assert u.handled == [b"get"]  # the stranger's request never reached the handler
+        assert u.handled == [b"break", b"get"]  # the stranger's request never reached the handler
         with pytest.raises(zmq.Again):
             stranger.recv_multipart()
         u._shutdown_event.set()
