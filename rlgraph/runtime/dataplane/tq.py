@@ -673,9 +673,8 @@ class _EarlyUnits:
 
         self.timeout_s = timeout_s
         # as tq.init merges it: TQ's defaults, then rlgraph's settings
-        merged = OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}),
-                                 OmegaConf.load(resources.files("transfer_queue") / "config.yaml"), conf)
-        self.conf = merged
+        self.conf = OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}),
+                                    OmegaConf.load(resources.files("transfer_queue") / "config.yaml"), conf)
         self.handles: Any = None
         self.error: BaseException | None = None
         self.handed = False  # tq.init took the units (else they are killed when `installed` ends)

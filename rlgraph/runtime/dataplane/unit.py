@@ -65,7 +65,7 @@ class DirectUnit:
         # the handlers' own globals (Ray ships TQ's class by value, so they need not be the module's),
         # in this unit's process only
         for handler in ("_handle_put", "_handle_get", "_handle_clear"):
-            fn = inspect.unwrap(getattr(type(self), handler))  # under TQ's timing decorators
+            fn = inspect.unwrap(getattr(type(self), handler))  # under Ray's tracing wrappers
             fn.__globals__["limit_pytorch_auto_parallel_threads"] = _no_thread_cap
         self.worker_thread = threading.Thread(target=self._serve, name=f"StorageUnitThread-{self.storage_unit_id}",
                                               daemon=True)
