@@ -26,7 +26,9 @@ when the update makes one optimizer step per step). Not matched exactly (what ea
 
 "TRL, 1 thread" is TRL again with one torch thread (``OMP_NUM_THREADS=1``), the threads rlgraph's
 actor computes with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
-is against TRL with its default threads.
+is against TRL with its default threads. "rlgraph, unfused" is the synchronous example with
+``trainer.fuse_ops=false``: the reference pass dispatched as a call of its own instead of riding
+in generation's call on the actor (issue 25, item 2: the hand-off that fusing removes).
 
     .venv/bin/python -m benchmarks.run trl_peer     # needs pip install 'rlgraph[bench]'
 """
@@ -48,6 +50,7 @@ from rlgraph.runtime.metrics import read_metrics
 
 N = 8
 ONE_THREAD = "TRL, 1 thread"  # TRL with the threads of rlgraph's actor: the same passes in one process, same threads
+UNFUSED = "rlgraph, unfused"  # trainer.fuse_ops=false: every op dispatched on its own
 SETTINGS = [(16, 45, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
 QUICK = [(4, 3, 0)]
 
@@ -63,10 +66,10 @@ def _model() -> str:
     return model
 
 
-def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int) -> dict[str, Any]:
+def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int, *overrides: str) -> dict[str, Any]:
     cmd = [str(common.ROOT / ".venv" / "bin" / "rlgraph"), "run", str(common.ROOT / "examples" / example), "-o",
            str(out), "--overwrite", "--steps", str(steps), f"data.batch_size={batch}", f"actor.mini_batch_size={batch}", f"trainer.seed={seed}",
-           "trainer.logger=[jsonl]"]
+           "trainer.logger=[jsonl]", *overrides]
     t0 = time.time()
     log_file = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +134,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
     chart: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for batch, steps, skip in settings:
-            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], "rlgraph async k=1": [], "TRL": [],
+            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], UNFUSED: [], "rlgraph async k=1": [], "TRL": [],
                                                     ONE_THREAD: []}
             for r in range(runs):
                 for name in got:
@@ -140,7 +143,8 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                         got[name].append(_trl(model, batch, steps, out, seed=r, threads=1 if name == ONE_THREAD else 0))
                     else:
                         example = "grpo_async.py" if "async" in name else "grpo.py"
-                        got[name].append(_rlgraph(example, batch, steps, out, seed=r))
+                        got[name].append(_rlgraph(example, batch, steps, out, r,
+                                                  *(["trainer.fuse_ops=false"] if name == UNFUSED else [])))
                     print(f"  {batch}x{N} {name} run {r}: {_per_step(got[name][-1], skip):.3f} s/step", flush=True)
             trl_step = statistics.median(_per_step(x, skip) for x in got["TRL"])
             for name, xs in got.items():

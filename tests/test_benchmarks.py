@@ -241,8 +241,8 @@ def test_leaks_quick(tmp_path, planes):
 
 @pytest.mark.bench  # needs the benchmark extra (TRL): pip install 'rlgraph[bench]'
 def test_trl_peer_quick(tmp_path):
-    """rlgraph against TRL on a few steps: both trainers (TRL also with one thread) and the async example
-    run and are tabled."""
+    """rlgraph against TRL on a few steps: both trainers (TRL also with one thread, rlgraph also unfused) and
+    the async example run and are tabled."""
     pytest.importorskip("trl")
     from benchmarks import trl_peer
 
@@ -251,7 +251,7 @@ def test_trl_peer_quick(tmp_path):
     rows = table_rows(doc.read_text(), "trl")
     head, *body = [r for i, r in enumerate(rows) if i != 1]
     got = {dict(zip(head, b))["trainer"]: dict(zip(head, b)) for b in body if len(b) == len(head)}
-    assert set(got) == {"rlgraph", "rlgraph async k=1", "TRL", "TRL, 1 thread"}
+    assert set(got) == {"rlgraph", "rlgraph, unfused", "rlgraph async k=1", "TRL", "TRL, 1 thread"}
     assert num(got["TRL"]["vs TRL"]) == 1.0 and all(num(r["s/step (median)"]) > 0 for r in got.values())
 
 

@@ -1,7 +1,7 @@
 """The compiler: a declared `Pipeline` plus overrides -> a checked, frozen `Plan`.
 
     build -> check -> reuse (build -> check again without the ops it leaves out)
-          -> prune -> batch -> schedule -> place -> Plan
+          -> prune -> batch -> schedule -> place -> fuse -> Plan
 
 Each pass is a pure function of the built graph (see its module); this one only runs them in
 order and assembles their results. Nothing here starts Ray or imports operator bodies.
@@ -17,11 +17,13 @@ from rlgraph.graph.build import BuiltGraph, build
 from rlgraph.graph.check import check
 from rlgraph.graph.config import nest
 from rlgraph.graph.dsl import Pipeline
+from rlgraph.graph.fuse import fused_leaders
 from rlgraph.graph.place import place
 from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, RefillPlan, ValidationPlan
 from rlgraph.graph.prune import prune
 from rlgraph.graph.reuse import reused_forwards
 from rlgraph.graph.schedule import mode_of, schedule, staleness
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.version import __version__
 
 __all__ = ["compile_pipeline", "plan_from_graph"]
@@ -78,6 +80,10 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
             cost=o.cost,
             doc=o.doc,
         ))
+    refill = _refill(g, columns)
+    fused = fused_leaders(ops, columns, g.pipeline.source.all_columns(), {gp.name: gp.pool for gp in groups},
+                          refill.round_ops if refill else (), TrainerSettings.of(g.config).fuse_ops)
+    ops = [o.model_copy(update={"fused_into": fused[o.name]}) if o.name in fused else o for o in ops]
     return Plan(
         rlgraph_version=__version__,
         pipeline=g.pipeline.name,
@@ -100,7 +106,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
         cluster=cluster,
         summaries=dict(g.pipeline.summaries),
         validation=_validation(g),
-        refill=_refill(g, columns),
+        refill=refill,
         reused=dict(reused or {}),
     )
 

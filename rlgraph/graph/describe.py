@@ -18,6 +18,7 @@ from rich.text import Text
 
 from rlgraph.graph.config import Param, flatten
 from rlgraph.graph.plan import OpBatching, OpPlan, Plan
+from rlgraph.graph.settings import TrainerSettings
 
 __all__ = [
     "describe",
@@ -93,7 +94,8 @@ def ops_table(plan: Plan) -> Table:
         _row(t, o.name, o.group, o.batching.dp, o.granularity, _mode(o), o.stage, _inputs(o),
              ", ".join(o.outputs), ", ".join(o.concurrent_with) or "-",
              _batching(o.batching, o.granularity) + ("; streams its rows in parts" if o.streams else "")
-             + ("; one body call for all the chunks of a call" if o.vectorised else ""))
+             + ("; one body call for all the chunks of a call" if o.vectorised else "")
+             + (f"; fused: runs inside {o.fused_into}'s calls, on its rows" if o.fused_into else ""))
     return t
 
 
@@ -194,6 +196,12 @@ def schedule_section(plan: Plan) -> RenderableType:
              f"carried into the batch: {', '.join(rf.carried)}")
     for op, why in plan.reused.items():
         _row(grid, "left out", f"{op}: {why}")
+    chains = [(o.name, o.group, plan.followers(o.name)) for o in plan.ops if plan.followers(o.name)]
+    _row(grid, "fused chains", "; ".join(
+        f"{' -> '.join([lead, *f])} on {group}: one dispatched call per chunk; {', '.join(f)} "
+        f"{'runs' if len(f) == 1 else 'run'} right after {lead} on its rows, reading its outputs from the worker's "
+        f"memory" for lead, group, f in chains) if chains else "none" + (
+        "" if TrainerSettings.of(plan).fuse_ops else " (trainer.fuse_ops=false)"))
     batched = [o.name for o in plan.ops if plan.batches_calls(o.name)]
     vectorised = [o for o in batched if plan.op(o).vectorised]
     _row(grid, "batched calls", (", ".join(batched) + ": ready chunks go out together, one call per rank (one get, "

@@ -118,6 +118,8 @@ class OpPlan(_Frozen):
     downstream: list[str] = Field(
         description="for an op that drops rows: the ops that read its outputs, directly or through other ops (its "
         "drops are padding for them); empty otherwise")
+    fused_into: str | None = Field(None, description="the leader of the fused chain this op follows: it runs "
+                                   "inside that op's calls, right after it on the same rows (rlgraph.graph.fuse)")
     runtime_params: list[str] = Field(
         description="params the runtime consumes: batching sizes (the body finds them in ctx.batching), the group "
         "size (ctx.group_size) and setup-time params (read by the worker class's setup); the body receives them "
@@ -273,11 +275,15 @@ class Plan(_Frozen):
         (`rlgraph.runtime.scheduler`): not a barrier, a per-rank or a streaming op, and either cheap
         (``cost`` below 1) or read by nothing on another pool, so batching delays no other pool."""
         o = self.op(name)
-        if o.mode == "barrier" or o.batching.per_rank or o.streams:
+        if o.mode == "barrier" or o.batching.per_rank or o.streams or o.fused_into:
             return False
         pool = {g.name: g.pool for g in self.groups}
         readers = {r for c in o.outputs for r in self.columns[c].consumers}
         return o.cost < 1.0 or all(pool[self.op(r).group] == pool[o.group] for r in readers)
+
+    def followers(self, name: str) -> list[str]:
+        """The ops fused into `name`'s calls, in the order they run (`OpPlan.fused_into`)."""
+        return [o.name for o in sorted(self.ops, key=lambda o: o.stage) if o.fused_into == name]
 
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:

@@ -214,6 +214,10 @@ class TrainerSettings(Section):
     """leave out a forward pass whose result the update's own forward gives: with one epoch and one mini-batch
     per step, old_logprob (the update then takes old log-probs from its first forward, as TRL does); rlgraph
     describe lists what was left out"""
+    fuse_ops: bool = True
+    """run a worker group's ops that follow each other (generate -> old_logprob -> ref on the actor) as one
+    dispatched call per chunk: the followers run inside the leader's call on its rows, reading its outputs from
+    the worker's memory; rlgraph describe lists the fused chains"""
     logger: str = "[console,jsonl,tensorboard]"
     """where metrics go, a list of: console (progress lines), jsonl (DIR/metrics.jsonl, always written),
     tensorboard (DIR/tensorboard), wandb (offline in DIR/wandb unless wandb is set up; pip install

@@ -12,6 +12,8 @@ that flows along them. Drawn distinctions:
   the step still reads top to bottom; with ``trainer.max_staleness = k`` the edge into the op
   that runs ahead (the cross-step edge) is thicker and says it is read up to k steps behind;
 - the critical path is drawn with bold red edges;
+- a fused chain (`rlgraph.graph.fuse`: ops that run inside one dispatched call) has brown
+  outlines and edges, and its ops say which runs inside which;
 - outputs nobody reads are listed under their op, pruned ones greyed;
 - no edge runs through an edge label, its own or another's (a margin around each label, more
   crossing-minimisation passes, state edges on the right-hand side; tests/graph/test_viz.py checks
@@ -68,6 +70,7 @@ _CRITICAL = "#b2182b"
 _STATE = "#2166ac"
 _PRUNED = "#6e6e6e"
 _REFILL = "#1b7837"  # dynamic sampling: the refill loop and the ops it repeats
+_FUSED = "#8c510a"  # a fused chain: ops that run inside one dispatched call
 _SOURCE_FILL = "#ffffff"
 _MODE_TEXT = {
     "stream": "stream: micro-batches of ready rows",
@@ -150,6 +153,10 @@ def _op_label(plan: Plan, o: OpPlan) -> str:
         lines.append(_small(f"skipped while step < {o.skip_before_step}"))
     if plan.batches_calls(o.name):
         lines.append(_small("ready chunks batched: one call per rank"))
+    if o.fused_into:
+        lines.append(_small(f"fused: runs inside {o.fused_into}'s calls", _FUSED))
+    elif plan.followers(o.name):
+        lines.append(_small(f"fused: its calls run {', '.join(plan.followers(o.name))} too", _FUSED))
     rf = plan.refill
     if rf is not None and o.name == rf.op:
         lines.append(_small(f"refill: rounds until {plan.batch.batch_size} groups are kept (at most "
@@ -229,6 +236,8 @@ def _title(plan: Plan, colours: Mapping[str, str]) -> str:
         f"{_small(f'bold: critical path, cost {_num(plan.schedule.critical_path_cost)}', _CRITICAL)}"
         f"{_small(' · dashed: state for the next step', _STATE)}"
         + (_small(" · dotted: dynamic sampling's refill", _REFILL) if plan.refill is not None else "")
+        + (_small(" · brown: a fused chain, one dispatched call per chunk", _FUSED)
+           if any(o.fused_into for o in plan.ops) else "")
         + "</TD></TR>"
     )
     for op, why in plan.reused.items():  # ops the compiler left out: another op's own forward gives their result
@@ -283,6 +292,8 @@ def to_dot(plan: Plan) -> "graphviz.Digraph":
             attrs.update(shape="box", peripheries="2")
         else:
             attrs.update(shape="box", style="filled,rounded")
+        if o.fused_into or plan.followers(o.name):  # a fused chain: brown outlines
+            attrs.update(color=_FUSED, penwidth="2")
         dot.node(o.name, _op_label(plan, o), **attrs)
 
     # one edge per (producer, consumer, kind), every column in its label
@@ -302,6 +313,8 @@ def to_dot(plan: Plan) -> "graphviz.Digraph":
                              f"trainer.max_staleness={lag})")
         elif (u, v) in critical:
             attrs.update(penwidth="2.6", color=_CRITICAL, arrowsize="0.9")
+        elif plan.op(v).fused_into is not None and plan.op(v).fused_into in (u, plan.op(u).fused_into):
+            attrs.update(penwidth="2", color=_FUSED)  # inside a fused chain: one call
         dot.edge(u, v, _edge_label(plan, columns, kind == "state", lag), **attrs)
     rf = plan.refill
     if rf is not None:  # dynamic sampling: the filter asks the source for more prompts

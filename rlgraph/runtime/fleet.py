@@ -360,13 +360,17 @@ class Fleet:
             raise
 
     def submit(self, call: Call, step: int, partition: str, uids: list[int], tags: tuple[bool, ...],
-               batch_inputs: Mapping[str, Any], fault: str | None, salt: int = 0) -> Any:
+               batch_inputs: Mapping[str, Any], fault: tuple[str, str] | None, salt: int = 0) -> Any:
         """Start `call` on its rank; returns what to wait on: an object reference, or for a streaming
         op a Ray streaming generator that delivers each part's result, then the call's. `salt`: the
-        refill round (dynamic sampling), so that each round's calls get seeds of their own."""
+        refill round (dynamic sampling), so that each round's calls get seeds of their own. `fault`:
+        (kind, op) of an injected fault (tests), the op being the call's own or one fused into it."""
         c = call.chunk
         worker = self.workers[call.group][call.rank]
-        hook = {"fault": fault} if fault else {}  # only a FaultInjectingWorker takes it
+        # only a FaultInjectingWorker takes these
+        hook: dict[str, Any] = {"fault": fault[0], "fault_op": fault[1]} if fault else {}
+        if call.fused:  # the ops fused into the call (`rlgraph.graph.fuse`), each with its chunks' (index, rows)
+            hook["fused"] = [(name, [(ch.index, len(ch.rows)) for ch in chunks]) for name, chunks in call.fused]
         rows, row_uids = list(call.rows), [uids[i] for i in call.rows]
         # where the rows are in the data plane: the worker's gets and puts then ask the plane nothing first.
         # They name storage slots, not partitions, so no call of a step may run after its partition is

@@ -100,6 +100,14 @@ class Recovery:
                 return f.kind
         return None
 
+    def fault_for(self, call: Call, step: int) -> tuple[str, str] | None:
+        """(kind, op) of the first fault left for `call`'s op or an op fused into it, if any."""
+        for name, chunks in ((call.chunk.op, call.chunks), *call.fused):
+            kind = self.take_fault(name, step, [c.index for c in chunks], call.rank)
+            if kind is not None:
+                return kind, name
+        return None
+
     def count(self, step: int, e: BaseException) -> None:
         """Record a failure of `step`; past trainer.max_retries, raise it (as what it is) for good."""
         n = self.attempts[step] = self.attempts.get(step, 0) + 1

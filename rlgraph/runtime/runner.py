@@ -297,9 +297,10 @@ class Runner:
                         lv.take_part(call, result)
                         inflight[waitable] = what
                     elif lv.take(call, result) and lv.training:
-                        self.reporter.chunk_done(lv.step, call.chunk.op)
-                        if lv.sched.op_finished(call.chunk.op):
-                            self.weights.produced(call.chunk.op, lv.step)
+                        for op in (call.chunk.op, *(name for name, _ in call.fused)):
+                            self.reporter.chunk_done(lv.step, op)
+                            if lv.sched.op_finished(op):
+                                self.weights.produced(op, lv.step)
         except BaseException as e:
             if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
                 self.fleet.clear_failed([lv.partition for lv in live.values()], e)
@@ -328,8 +329,7 @@ class Runner:
     def _submit(self, call: Call, lv: LiveStep, inflight: dict[Any, Any]) -> None:
         op = self.plan.op(call.chunk.op)
         batch_inputs = {c: lv.rec.batch_values[c] for c in op.inputs if c in lv.rec.batch_values}
-        fault = (self.recovery.take_fault(call.chunk.op, lv.step, [c.index for c in call.chunks], call.rank)
-                 if lv.training and self.opts.faults else None)
+        fault = self.recovery.fault_for(call, lv.step) if lv.training and self.opts.faults else None
         ref = self.fleet.submit(call, lv.step, lv.partition, lv.sched.uids, lv.sched.tags(op.name, call.rows),
                                 batch_inputs, fault, lv.salt)
         inflight[ref] = (lv.key, call)

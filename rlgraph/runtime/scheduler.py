@@ -38,6 +38,13 @@ the first chunk's rows.
 ``sync`` additionally holds an op until every op of earlier stages has
 finished (a barrier after each stage, like the classic single-controller trainer).
 
+**Fused chains** (`rlgraph.graph.fuse`): an op fused into a leader (``OpPlan.fused_into``: ref
+after generate on the actor) is never dispatched itself. Its chunks are the leader's, each split
+into its own micro-batches, and every call of the leader carries them (``Call.fused``): the
+worker runs the followers right after the leader on the same rows, and the call's completion
+finishes their chunks too. A step that skips the follower (validation, a warm-up) sends the
+leader alone; one that skips the leader dispatches the follower as an op of its own.
+
 **Locality.** On a cluster whose data plane gives rows a home (TransferQueue, one storage unit
 per node), `row_homes` lays a step's rows out on the nodes of the *home group*, the group whose
 ops read and write the most column bytes: rank k's contiguous share of the rows (the share a
@@ -85,6 +92,8 @@ class Call:
     rank: int
     rows: tuple[int, ...]  # the rows this rank handles (a barrier's shard; else its chunks' rows, in order)
     more: tuple[Chunk, ...] = ()  # further chunks of the same op in this call
+    # ops fused into this one's calls, in the order they run, each with its chunks on these rows
+    fused: tuple[tuple[str, tuple[Chunk, ...]], ...] = ()
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -98,9 +107,17 @@ class Call:
         return [(c.index, len(c.rows)) for c in self.chunks]
 
 
-def make_chunks(op: OpPlan, uids: Sequence[int]) -> list[Chunk]:
+def make_chunks(op: OpPlan, uids: Sequence[int], within: Sequence[Chunk] | None = None) -> list[Chunk]:
     """Split the step's rows into the op's chunks. `uids[i]` is row i's group id; rows of one
-    group are contiguous (the source lays them out that way)."""
+    group are contiguous (the source lays them out that way). `within`: a fused op's leader's
+    chunks, each split into the op's own chunks (numbered on across them)."""
+    if within is not None:
+        out: list[Chunk] = []
+        for lead in within:
+            rows = lead.rows
+            for c in make_chunks(op, [uids[r] for r in rows]):
+                out.append(Chunk(op.name, len(out), tuple(rows[i] for i in c.rows)))
+        return out
     n_rows = len(uids)
     if op.mode == "barrier":
         return [Chunk(op.name, 0, tuple(range(n_rows)))]
@@ -176,6 +193,22 @@ def _without(chunks: list[Chunk], rows: set[int]) -> list[Chunk]:
     return [Chunk(chunks[0].op, k, rs) for k, rs in enumerate(r for r in kept if r)]
 
 
+def _fused_this_step(plan: Plan, skipped: Mapping[str, bool], round_ops: Sequence[str]) -> dict[str, str]:
+    """Follower -> leader for the fused chains that run this step: a follower is fused when it
+    and its leader run on all their rows (neither is skipped, nor one of a refilled batch's round
+    ops, which skip the rows brought from the rounds), and so does every chain op it reads from;
+    the others run on their own."""
+    out: dict[str, str] = {}
+    for op in sorted(plan.ops, key=lambda o: o.stage):
+        lead = op.fused_into
+        if lead is None or skipped[op.name] or skipped[lead] or op.name in round_ops or lead in round_ops:
+            continue
+        producers = {plan.columns[c].producer for c in op.inputs} - set(plan.source_columns)
+        if all(p == lead or out.get(p) == lead for p in producers):
+            out[op.name] = lead
+    return out
+
+
 class Repair(enum.Enum):
     """How a failed call is mended, cheapest first."""
 
@@ -218,7 +251,7 @@ class _Op:
     """Per-op state of one step."""
 
     __slots__ = ("plan", "order", "chunks", "chunk_of", "missing", "ready", "parts_left", "started", "done",
-                 "skipped", "pool")
+                 "skipped", "pool", "leader", "by_leader", "followers")
 
     def __init__(self, plan: OpPlan, order: int, chunks: list[Chunk], num_rows: int, pool: str, skipped: bool):
         self.plan = plan
@@ -235,6 +268,9 @@ class _Op:
         self.done = 0
         self.skipped = skipped
         self.pool = pool
+        self.leader: str | None = None  # fused into this op's calls this step (never dispatched itself)
+        self.by_leader: dict[int, list[int]] = {}  # a follower's chunks inside each of its leader's chunks
+        self.followers: list[_Op] = []  # a leader's followers this step, in the order they run
 
     @property
     def finished(self) -> bool:
@@ -282,17 +318,28 @@ class StepScheduler:
         carried_cols, carried_rows, round_ops = carried or ((), (), ())
         elsewhere = set(carried_rows)
         self.ops: dict[str, _Op] = {}
-        for k, op in enumerate(plan.ops):
-            skipped = step < op.skip_before_step or (ops is not None and op.name not in ops)
-            chunks = make_chunks(op, self.uids)
+        skips = {op.name: step < op.skip_before_step or (ops is not None and op.name not in ops) for op in plan.ops}
+        leads = _fused_this_step(plan, skips, round_ops)
+        order = {op.name: k for k, op in enumerate(plan.ops)}
+        # leaders (and unfused ops) first: a follower's chunks are made inside its leader's
+        for op in sorted(plan.ops, key=lambda o: (o.name in leads, o.stage, order[o.name])):
+            lead = self.ops[leads[op.name]] if op.name in leads else None
+            chunks = make_chunks(op, self.uids, lead.chunks if lead is not None else None)
             if op.name in round_ops:
                 chunks = _without(chunks, elsewhere)
-            self.ops[op.name] = _Op(op, k, chunks, n, groups[op.group].pool, skipped)
+            st = _Op(op, order[op.name], chunks, n, groups[op.group].pool, skips[op.name])
+            if lead is not None:
+                st.leader = lead.plan.name
+                lead.followers.append(st)  # in stage order: the order they run in
+                for c in chunks:
+                    st.by_leader.setdefault(lead.chunk_of[c.rows[0]], []).append(c.index)
+            self.ops[op.name] = st
+        self.ops = {op.name: self.ops[op.name] for op in plan.ops}  # plan order
         # column -> the ops (not skipped) that read it; each of their chunks counts its missing cells
         self._readers: dict[str, list[_Op]] = {}
         source = set(plan.source_columns)
         for st in self.ops.values():
-            if not st.skipped:
+            if not st.skipped and st.leader is None:  # a follower's inputs come with its leader's call
                 for c in st.plan.inputs:
                     if c not in source:
                         self._readers.setdefault(c, []).append(st)
@@ -309,14 +356,14 @@ class StepScheduler:
                     self._have[c][r] = 1
                 self._have_count[c] = sum(self._have[c])
         for st in self.ops.values():
-            if not st.skipped:
+            if not st.skipped and st.leader is None:
                 waits = [c for c in st.plan.inputs if c not in source]
                 for ch in st.chunks:
                     st.missing[ch.index] = (sum(1 for c in waits for r in ch.rows if not self._have[c][r]) if present
                                             else len(waits) * len(ch.rows))
         # dispatch state: busy bundles, rows handed to each rank, ops with ready chunks per pool
         self.slots = slots or Slots(plan)
-        self._gated = {name for name in gated if not self.ops[name].skipped}
+        self._gated = {name for name in gated if not self.ops[name].skipped and self.ops[name].leader is None}
         self._parked: dict[str, list[int]] = {}  # gated op -> chunks released while it was gated
         self._sent = {(g.name, r): 0 for g in plan.groups for r in range(g.dp)}
         self._waiting: dict[str, list[int]] = {p.name: [] for p in plan.pools}  # pool -> sorted op orders
@@ -330,7 +377,7 @@ class StepScheduler:
         self._open = self._open_stage()
         self._ops_left = sum(self._left_in_stage.values())
         for st in self.ops.values():
-            if not st.skipped:
+            if not st.skipped and st.leader is None:
                 for ch in st.chunks:
                     if st.missing[ch.index] == 0:
                         self._release(st, ch.index)
@@ -352,6 +399,9 @@ class StepScheduler:
                 continue
             missing = [c for c in st.plan.inputs if self._have_count.get(c, self.num_rows) < self.num_rows]
             running = sum(1 for left in st.parts_left.values() if left)
+            if st.leader is not None:
+                out[name] = f"{st.done}/{len(st.chunks)} chunks done, {running} running, inside {st.leader}'s calls"
+                continue
             out[name] = (f"{st.done}/{len(st.chunks)} chunks done, {running} running"
                          + (f", waiting for columns {missing}" if missing else "")
                          + (", held for an earlier step (rlgraph.runtime.window)" if name in self._gated else ""))
@@ -405,12 +455,26 @@ class StepScheduler:
             for c in (chunk, *more):
                 st.parts_left[c.index] = len(parts)
             st.started += 1 + len(more)
+            fused = self._fused(st, (chunk, *more))
             for rank, rows in parts:
                 free.remove(rank)
                 self.slots.take(st.pool, rank)
                 self._sent[(group, rank)] += len(rows)
-                calls.append(Call(chunk, group, rank, rows, more))
+                calls.append(Call(chunk, group, rank, rows, more, fused))
         return calls
+
+    @staticmethod
+    def _fused(st: _Op, chunks: tuple[Chunk, ...]) -> tuple[tuple[str, tuple[Chunk, ...]], ...]:
+        """The followers' chunks on the rows of `chunks` of leader `st`; they count as running."""
+        out = []
+        for f in st.followers:
+            mine = tuple(f.chunks[j] for c in chunks for j in f.by_leader.get(c.index, ()))
+            for c in mine:
+                f.parts_left[c.index] = 1
+            f.started += len(mine)
+            if mine:
+                out.append((f.plan.name, mine))
+        return tuple(out)
 
     def _batches(self, st: _Op) -> bool:
         """Whether ready chunks of `st` go out together (see the module's Dispatch)."""
@@ -454,12 +518,23 @@ class StepScheduler:
             self.rows_done(c.op, c.rows)
         if not whole:
             return False
+        for name, chunks in call.fused:  # the followers ran on the call's rows, after the leader
+            f = self.ops[name]
+            for c in chunks:
+                f.parts_left[c.index] = 0
+                f.done += 1
+                self.rows_done(name, c.rows)
+            if f.finished and chunks:
+                self._op_finished(f)
         if st.finished:
-            for col in st.plan.outputs:
-                if self.plan.columns[col].level == "batch":
-                    self._mark(col, range(self.num_rows))
-            self._stage_finished(st.plan.stage)
+            self._op_finished(st)
         return True
+
+    def _op_finished(self, st: _Op) -> None:
+        for col in st.plan.outputs:
+            if self.plan.columns[col].level == "batch":
+                self._mark(col, range(self.num_rows))
+        self._stage_finished(st.plan.stage)
 
     def drop(self, row: int, reason: str, op: str, whole_group: bool) -> None:
         """`op` dropped `row` (and with `whole_group`, every real row of its group) from training."""
@@ -490,6 +565,8 @@ class StepScheduler:
 
     def _release(self, st: _Op, k: int) -> None:
         """Chunk `k` of `st` has all its inputs: ready to dispatch, or held until its stage opens."""
+        if st.leader is not None:  # runs inside its leader's calls
+            return
         if self.schedule == "sync" and st.plan.stage > self._open:
             self._held.setdefault(st.plan.stage, []).append((st, k))
             return

@@ -101,16 +101,18 @@ class LiveStep:
 
     def take(self, call: Call, result: Any) -> bool:
         """A call's small result (`rlgraph.runtime.worker.CallResult`): span, per-row summaries,
-        drops, op metrics, batch values. True when it was the last call of its chunk."""
-        rec, op = self.rec, call.chunk.op
+        drops, op metrics, batch values, and those of the ops fused into the call. True when it
+        was the last call of its chunk."""
+        rec = self.rec
         rec.result_bytes += len(pickle.dumps(result))  # the driver's traffic, a metric
-        rec.spans.append(result.span)
-        rec.take_summaries(result.summaries)
-        for row, (reason, whole_group) in result.dropped.items():
-            self.sched.drop(row, reason, op, whole_group)
-        if op not in self.quiet:
-            rec.op_metrics.setdefault(op, []).extend(m for m in result.metrics if m)
-        rec.batch_values.update(result.batch_values)
+        for op, r in [(call.chunk.op, result), *zip((name for name, _ in call.fused), result.fused, strict=True)]:
+            rec.spans.append(r.span)
+            rec.take_summaries(r.summaries)
+            for row, (reason, whole_group) in r.dropped.items():
+                self.sched.drop(row, reason, op, whole_group)
+            if op not in self.quiet:
+                rec.op_metrics.setdefault(op, []).extend(m for m in r.metrics if m)
+            rec.batch_values.update(r.batch_values)
         return self.sched.call_done(call)
 
 

@@ -9,18 +9,41 @@ box per op call, so a user sees which stages overlapped.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
-__all__ = ["Span", "write_chrome_trace", "PALETTE"]
+__all__ = ["Compact", "Span", "write_chrome_trace", "PALETTE"]
 
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac")
 
 
+class Compact:
+    """A dataclass pickled without the fields that hold their defaults: what a worker returns for
+    each call crosses to the driver, and most calls leave most optional fields empty."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            default = f.default if f.default is not MISSING else (
+                f.default_factory() if f.default_factory is not MISSING else MISSING)
+            if default is MISSING or type(value) is not type(default) or value != default:
+                state[f.name] = value
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name in state:
+                value = state[f.name]
+            else:
+                value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            object.__setattr__(self, f.name, value)  # frozen dataclasses too
+
+
 @dataclass(frozen=True)
-class Span:
+class Span(Compact):
     """One op call on one worker."""
 
     op: str
@@ -37,6 +60,7 @@ class Span:
     # timed events inside the call (`OpContext.event`): (start, end, lane, label); an agent's turns
     events: tuple[tuple[float, float, int, str], ...] = ()
     io_s: float = 0.0  # of the call's time, reading its inputs from and writing its outputs to the data plane
+    fused_into: str = ""  # the op whose call this one ran inside (a fused chain), if any
 
     @property
     def duration(self) -> float:
@@ -64,7 +88,8 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
         events.append({
             "name": s.op, "cat": f"step{s.step}", "ph": "X", "pid": pid[s.group], "tid": s.rank,
             "ts": round((s.start - t0) * 1e6, 1), "dur": round(s.duration * 1e6, 1),
-            "args": {"step": s.step, "chunk": s.chunk, "rows": s.rows},
+            "args": {"step": s.step, "chunk": s.chunk, "rows": s.rows,
+                     **({"fused_into": s.fused_into} if s.fused_into else {})},
         })
         for t, rows in s.parts:  # instant events: when a streaming call handed over each part
             events.append({"name": f"{s.op} part", "cat": f"step{s.step}", "ph": "i", "s": "t", "pid": pid[s.group],

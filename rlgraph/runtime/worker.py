@@ -25,7 +25,7 @@ from rlgraph.graph.plan import Plan
 from rlgraph.runtime.dataplane import locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
-from rlgraph.runtime.trace import Span
+from rlgraph.runtime.trace import Compact, Span
 
 __all__ = ["CallResult", "GroupWorker", "PartResult"]
 
@@ -39,7 +39,7 @@ class PartResult:
 
 
 @dataclass
-class CallResult:
+class CallResult(Compact):
     """What a worker returns for one call: small by construction."""
 
     span: Span
@@ -48,6 +48,7 @@ class CallResult:
     summaries: dict[str, dict[int, float]] = field(default_factory=dict)
     batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data outputs
     dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)  # row -> (reason, whole group?)
+    fused: list[CallResult] = field(default_factory=list)  # the results of the ops fused into this call, in order
 
 
 def _moved_since(before: tuple[int, int]) -> dict[str, int]:
@@ -61,16 +62,25 @@ def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str
     """(columns a worker of `group` keeps in memory, those of them it never puts to the data plane).
 
     It keeps the per-sample data columns it writes that an op of its own group reads. It keeps
-    one to itself only when nothing else can need it: every reader is in the group, the group has
-    one rank (so the reader runs where the writer did) and keeps state (a death restores from a
-    checkpoint and replays the step, so the value is made again), no dynamic sampling copies rows
-    between partitions, and it is not a validation or summary column."""
+    one to itself only when nothing else can need it and it is not a validation or summary
+    column, and either
+    - every reader is an op fused into the chain that writes it (`rlgraph.graph.fuse`): they run
+      in the writer's call, on its rows, and a failed call runs the whole chain again; or
+    - every reader is in the group, the group has one rank (so the reader runs where the writer
+      did) and keeps state (a death restores from a checkpoint and replays the step, so the value
+      is made again), and no dynamic sampling copies rows between partitions."""
     ops = set(plan.group(group).ops)
     kept = frozenset(c.name for c in plan.columns.values()
                      if c.producer in ops and c.level == "sample" and c.kind == "data" and c.stored
                      and any(r in ops for r in c.consumers))
     alone = (plan.group(group).dp == 1 and bool(ops & plan.state_ops()) and plan.refill is None)
-    private = frozenset(c for c in kept if alone and set(plan.columns[c].consumers) <= ops
+    chain = {o.name: o.fused_into or o.name for o in plan.ops}
+
+    def inside_chain(c: str) -> bool:
+        col = plan.columns[c]
+        return bool(col.consumers) and all(plan.op(r).fused_into == chain[col.producer] for r in col.consumers)
+
+    private = frozenset(c for c in kept if (inside_chain(c) or (alone and set(plan.columns[c].consumers) <= ops))
                         and c not in plan.validation.columns and c not in plan.summaries)
     return kept, private
 
@@ -177,15 +187,27 @@ class GroupWorker:
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
                   rows: Sequence[int], uids: Sequence[int], is_padding: Sequence[bool],
-                  batch_inputs: dict[str, Any] | None = None, salt: int = 0, addresses: Any = None) -> CallResult:
+                  batch_inputs: dict[str, Any] | None = None, salt: int = 0, addresses: Any = None,
+                  fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = ()) -> CallResult:
         """Run `op_name` on `rows`: get its inputs, call the body, put its outputs. `chunks`: the
         (chunk index, number of rows) of each chunk the call holds, in the order of `rows`; the
         inputs are read with one get and the outputs written with one put, and the body runs once
         per chunk, seeded by the chunk, so a batched call gives what one call per chunk would (a
         vectorised op's body runs once on them all: it computes each chunk from its own rows).
-        `addresses`: where the rows are in the data plane (`DataPlane.addresses`)."""
-        start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
+        `addresses`: where the rows are in the data plane (`DataPlane.addresses`). `fused`: the ops
+        fused into this call (`rlgraph.graph.fuse`), each with its chunks on the same rows: they run
+        after it, in order, and their results come in `CallResult.fused`."""
+        rows = tuple(rows)
         self._learn(partition, rows, addresses)
+        result = self._run(op_name, step, partition, chunks, rows, uids, is_padding, batch_inputs, salt)
+        result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
+        return result
+
+    def _run(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
+             rows: tuple[int, ...], uids: Sequence[int], is_padding: Sequence[bool],
+             batch_inputs: dict[str, Any] | None, salt: int, fused_into: str = "") -> CallResult:
+        """`run_chunk` for one op of the call (`fused_into`: the call's op, when this one is fused into it)."""
+        start, op = time.time(), self.plan.op(op_name)
         moved = locality_bytes_in_this_process()
         outs: list[dict[str, Any]] = []
         dropped: dict[int, tuple[str, bool]] = {}
@@ -213,7 +235,8 @@ class GroupWorker:
         end = time.time()
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
-                      start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, **_moved_since(moved)),
+                      start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, fused_into=fused_into,
+                      **_moved_since(moved)),
             metrics=metrics,
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
@@ -221,12 +244,23 @@ class GroupWorker:
             dropped={rows[i]: why for i, why in dropped.items()},
         )
 
+    def _run_fused(self, leader: str, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]], step: int,
+                   partition: str, rows: tuple[int, ...], uids: Sequence[int], is_padding: Sequence[bool],
+                   salt: int) -> list[CallResult]:
+        """Run the ops fused into `leader`'s call on its rows, in order; a follower reads the
+        leader's outputs from this worker's memory (they were just put: `LocalColumns`)."""
+        return [self._run(name, step, partition, spans, rows, uids, is_padding, None, salt, leader)
+                for name, spans in fused]
+
     def run_chunk_stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                          uids: Sequence[int], is_padding: Sequence[bool],
                          batch_inputs: dict[str, Any] | None = None,
-                         salt: int = 0, addresses: Any = None) -> Iterator[PartResult | CallResult]:
+                         salt: int = 0, addresses: Any = None,
+                         fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = ()
+                         ) -> Iterator[PartResult | CallResult]:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
-        yields and yields a `PartResult` for it at once, then the call's `CallResult`."""
+        yields and yields a `PartResult` for it at once, then the call's `CallResult` (after the
+        ops fused into the call ran on all its rows)."""
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         self._learn(partition, rows, addresses)
         moved = locality_bytes_in_this_process()
@@ -249,7 +283,7 @@ class GroupWorker:
             yield PartResult(part_rows, self._summaries(out, rows, positions, is_padding, {}))
         dropped = dict(self.invoker.last_dropped)
         rest = self.invoker.last_rest
-        yield CallResult(
+        result = CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
                       start=start, end=time.time(), parts=tuple(handed), events=tuple(self.invoker.last_events),
                       io_s=io_s, **_moved_since(moved)),
@@ -258,6 +292,8 @@ class GroupWorker:
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
             dropped={rows[i]: why for i, why in dropped.items()},
         )
+        result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
+        yield result
 
     @contextmanager
     def _failures(self, op_name: str, step: int, chunk: int, rows: tuple[int, ...], uids: Sequence[int]):
@@ -361,22 +397,27 @@ class FaultInjectingWorker(GroupWorker):
     ends it once the call's outputs are written, before its result is returned."""
 
     _fault: str | None = None
+    _fault_op: str | None = None  # the op of a fused call the fault is for (None: the call's own)
 
-    def run_chunk(self, *args: Any, fault: str | None = None, **kwargs: Any) -> CallResult:
-        self._fault = fault
+    def run_chunk(self, *args: Any, fault: str | None = None, fault_op: str | None = None,
+                  **kwargs: Any) -> CallResult:
+        self._fault, self._fault_op = fault, fault_op
         result = super().run_chunk(*args, **kwargs)
         if fault == "kill_after":
             os._exit(17)
         return result
 
-    def run_chunk_stream(self, *args: Any, fault: str | None = None, **kwargs: Any) -> Iterator[PartResult | CallResult]:
-        self._fault = fault
+    def run_chunk_stream(self, *args: Any, fault: str | None = None, fault_op: str | None = None,
+                         **kwargs: Any) -> Iterator[PartResult | CallResult]:
+        self._fault, self._fault_op = fault, fault_op
         for item in super().run_chunk_stream(*args, **kwargs):
             if fault == "kill_after" and isinstance(item, CallResult):
                 os._exit(17)
             yield item
 
     def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
+        if self._fault_op is not None and op.name != self._fault_op:  # the fault is for an op fused after this one
+            return super()._inputs(op, partition, rows, step, chunk)
         fault, self._fault = self._fault, None
         if fault == "kill":
             os._exit(17)

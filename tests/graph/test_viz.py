@@ -137,9 +137,25 @@ def test_batched_ops_and_left_out_forwards_are_drawn():
     nodes = _groups(root, "node")
     assert "old_logprob" not in nodes
     batched = {name for name, g in nodes.items() if "ready chunks batched: one call per rank" in _texts(g)}
-    assert batched == {o.name for o in plan.ops if plan.batches_calls(o.name)} == {"reward", "ref", "advantage"}
+    assert batched == {o.name for o in plan.ops if plan.batches_calls(o.name)} == {"reward", "advantage"}
     title = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
     assert "left out: old_logprob (its 'old_log_probs' is update_actor's own first forward" in title
+
+
+def test_a_fused_chain_is_drawn_in_its_own_colour():
+    plan = compile_pipeline(_pipeline("ppo"))
+    root = ET.fromstring(viz.render(plan, "svg"))
+    title = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "brown: a fused chain, one dispatched call per chunk" in title
+    edges = _groups(root, "edge")
+    brown = {name for name, g in edges.items() if any(p.get("stroke") == viz._FUSED for p in g.iter(f"{SVG}path"))}
+    assert brown == {"generate->ref"}  # generate->old_logprob is on the critical path: red wins
+    nodes = _groups(root, "node")
+    assert "fused: its calls run old_logprob, ref too" in _texts(nodes["generate"])
+    assert all("fused: runs inside generate's calls" in _texts(nodes[n]) for n in ("old_logprob", "ref"))
+    assert not any("fused" in t for n in ("reward", "values", "update_actor") for t in _texts(nodes[n]))
+    unfused = viz.render(compile_pipeline(_pipeline("ppo"), ["trainer.fuse_ops=false"]), "svg").decode()
+    assert viz._FUSED not in unfused and "fused" not in unfused
 
 
 # -- edges ---------------------------------------------------------------------------------------

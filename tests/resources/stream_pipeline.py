@@ -2,7 +2,8 @@
 
 gen (one call per rank, all of its groups; yields each group as it "finishes": groups sleep in
 proportion to a seeded length, so they finish out of order) -> score (per sample, 2 rows per call)
--> adv (per group, vectorised) -> update (barrier; state `w` read by gen next step).
+-> adv (per group, vectorised) -> update (barrier; state `w` read by gen next step). lp (per sample,
+on the actor, reading only gen's columns and `w`, as old_logprob does) is fused into gen's calls.
 """
 
 import os
@@ -63,6 +64,20 @@ def gen(x: T.float32("xlen"), uid: T.int64(), w: T.float32().state(), *, n: int 
     return {"gen_metrics": {"groups": len(order), "seconds": time.time() - start}}
 
 
+@op(outputs={"lp": T.float32(L), "lp_metrics": T.json().metric()}, group="actor")
+def lp(y: T.float32(L), mask: T.int64(L), w: T.float32().state(), *, micro_batch_size: int = 5,
+       fail_step: int = -1, fail_once_file: str = "", ctx=None):
+    """A forward pass on gen's rows (fused into gen's calls): 5 rows per chunk."""
+    if ctx.step == fail_step and ctx.chunk == 1:
+        if not fail_once_file:
+            raise ValueError("lp was told to fail")
+        if not os.path.exists(fail_once_file):
+            open(fail_once_file, "w").close()
+            raise ValueError("lp was told to fail once")
+    weight = 1.0 if w is None else float(w)
+    return {"lp": torch.log1p(y.abs()) * mask * weight, "lp_metrics": {"rows": len(y), "chunk": ctx.chunk}}
+
+
 @op(outputs={"token_level_scores": T.float32(L)}, group="reward")
 def score(y: T.float32(L), mask: T.int64(L), *, micro_batch_size: int = 2):
     s = torch.zeros_like(y)
@@ -89,16 +104,17 @@ def adv(token_level_scores: T.float32(L), mask: T.int64(L), uid: T.int64(), ctx=
 
 
 @op(outputs={"update_metrics": T.json().metric(), "w": T.float32().state()}, granularity="batch", group="actor")
-def update(advantages: T.float32(L), mask: T.int64(L), w: T.float32().state(), *, lr: float = 0.1):
+def update(advantages: T.float32(L), mask: T.int64(L), lp: T.float32(L), w: T.float32().state(), *,
+           lr: float = 0.1):
     prev = 1.0 if w is None else float(w)
-    new = prev + lr * float((advantages * mask).abs().sum() / mask.sum().clamp(min=1))
+    new = prev + lr * float((advantages * mask).abs().sum() / mask.sum().clamp(min=1)) + 1e-3 * float(lp.sum())
     return {"update_metrics": {"w": new}, "w": torch.tensor(new)}
 
 
 pipeline = Pipeline(
     name="stream_tensors",
     source=DataSource(columns={"x": T.float32("xlen")}, impl=Prompts),
-    ops=[gen, score, adv, update],
+    ops=[gen, lp, score, adv, update],
     groups=[WorkerGroup("actor", num_cpus=0.5), WorkerGroup("reward", num_cpus=0.5)],
     cluster=Cluster(cpus_per_node=8),
     config={"data": {"batch_size": 6}, "gen": {"n": 2}, "trainer": {"steps": 2}},

@@ -145,3 +145,22 @@ def test_save_takes_a_stem_or_either_extension(tmp_path):
     fig = plots.new_figure(2, 2)
     for name in ("a", "a.svg", "a.png"):
         assert plots.save(fig, tmp_path / name) == (tmp_path / "a.svg", tmp_path / "a.png")
+
+
+def test_a_call_s_result_crosses_to_the_driver_without_its_empty_fields():
+    import pickle
+
+    from rlgraph.runtime.worker import CallResult
+
+    bare = Span("ref", "actor", 0, 3, 1, 8, 1.0, 2.0)
+    full = Span("ref", "actor", 0, 3, 1, 8, 1.0, 2.0, parts=((1.5, 4),), io_s=0.25, fused_into="generate")
+    for span in (bare, full):
+        assert pickle.loads(pickle.dumps(span)) == span
+    result = CallResult(span=bare, metrics=[{"loss": 1.0}], fused=[CallResult(span=full)])
+    back = pickle.loads(pickle.dumps(result))
+    assert back == result and back.summaries == {} and back.fused[0].span.fused_into == "generate"
+    # the empty fields are left out: a bare span pickles smaller than one that fills them
+    assert "fused_into" not in pickle.loads(pickle.dumps(bare)).__getstate__()
+    assert len(pickle.dumps(bare)) < len(pickle.dumps(full)) - 40
+    back.summaries["c"] = {0: 1.0}  # a default filled in on load is the result's own, not shared
+    assert CallResult(span=bare).summaries == {}

@@ -58,12 +58,17 @@ def _drain(sched):
     return calls
 
 
+def _work(calls):
+    """(op, chunk index, rows) of every chunk the calls run, those of the ops fused into them included."""
+    return sorted((ch.op, ch.index, ch.rows) for c in calls for ch in (*c.chunks, *(x for _, f in c.fused for x in f)))
+
+
+@pytest.mark.parametrize("fuse", ["true", "false"])
 @pytest.mark.parametrize("schedule", ["stream", "sync"])
-def test_same_calls_under_both_schedules(schedule):
-    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "rollout.micro_batch_size=1")
-    calls = sorted((c.chunk.op, c.chunk.index, c.rows) for c in _drain(_sched(plan, 4, 2, schedule)))
-    other = sorted((c.chunk.op, c.chunk.index, c.rows)
-                   for c in _drain(_sched(plan, 4, 2, "stream" if schedule == "sync" else "sync")))
+def test_same_calls_under_both_schedules(schedule, fuse):
+    plan = _plan("ppo", "data.batch_size=4", "rollout.n=2", "rollout.micro_batch_size=1", f"trainer.fuse_ops={fuse}")
+    calls = _work(_drain(_sched(plan, 4, 2, schedule)))
+    other = _work(_drain(_sched(plan, 4, 2, "stream" if schedule == "sync" else "sync")))
     assert calls == other
     assert {op.name for op in plan.ops} == {c[0] for c in calls}
 
@@ -81,9 +86,11 @@ def test_stream_starts_reward_before_generation_ends_and_sync_does_not():
     (g,) = sync.next_calls()
     sync.rows_done("generate", (0, 1))
     assert sync.next_calls() == []  # stage 1 waits for all of stage 0, parts or not
+    assert [name for name, _ in g.fused] == ["old_logprob", "ref"]  # they run inside generation's call
     sync.call_done(g)
-    # generation done: its stage-1 readers start (ref waits: one call at a time on the actor)
-    assert {c.chunk.op for c in sync.next_calls()} == {"old_logprob", "reward", "values"}
+    # generation (and the actor's forward passes fused into it) done: the other stage-1 readers start
+    assert {c.chunk.op for c in sync.next_calls()} == {"reward", "values"}
+    assert sync.op_finished("old_logprob") and sync.op_finished("ref")
 
 
 def test_partial_outputs_release_downstream_chunks_before_the_call_ends():
@@ -298,9 +305,48 @@ def test_a_completion_touches_only_the_chunks_it_unblocks():
     sched.next_calls()
     seen.clear()
     sched.rows_done("generate", (0, 1))  # a part of generation: two rows
-    readers = {o.name for o in plan.ops if set(o.inputs) & set(plan.op("generate").outputs)}
-    assert set(seen) == readers and "update_critic" in readers
+    # its readers, less the ops fused into its calls (they wait for no rows: they run inside them)
+    readers = {o.name for o in plan.ops if set(o.inputs) & set(plan.op("generate").outputs) and not o.fused_into}
+    assert set(seen) == readers and "update_critic" in readers and "ref" not in readers
     # each reader's chunk of rows 0,1 is touched once per (input column of generate, row)
     for name in readers:
         cols = set(plan.op(name).inputs) & set(plan.op("generate").outputs)
         assert seen.count(name) == len(cols) * 2
+
+
+def test_a_fused_op_runs_in_its_leader_s_calls_on_the_same_rows():
+    plan = _plan("grpo", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "groups.actor.dp=2",
+                 "ref.micro_batch_size=3")
+    assert plan.op("ref").fused_into == "generate"
+    sched = _sched(plan, 4, 2, gated={"generate", "ref", "update_actor"})
+    assert sched.gated == {"generate", "update_actor"}  # ref is never dispatched: its leader's gate holds it
+    sched.open("generate")
+    gens = [c for c in sched.next_calls() if c.chunk.op == "generate"]
+    assert len(gens) == 2  # one call per rank
+    for g in gens:
+        ((name, chunks),) = g.fused
+        # ref's chunks: the rank's rows, in ref's own micro-batches of 3 rows
+        assert name == "ref" and tuple(r for c in chunks for r in c.rows) == g.rows
+        assert [len(c.rows) for c in chunks] == [3] * (len(g.rows) // 3) + ([len(g.rows) % 3] if len(g.rows) % 3 else [])
+    assert sorted(c.index for g in gens for _, chunks in g.fused for c in chunks) == list(range(len(sched.ops["ref"].chunks)))
+    assert "inside generate's calls" in sched.unfinished()["ref"]
+    sched.call_done(gens[0])
+    assert not sched.op_finished("ref") and sched.ops["ref"].done == len(gens[0].fused[0][1])
+    sched.call_done(gens[1])
+    assert sched.op_finished("ref") and sched.op_finished("generate")
+    sched.open("update_actor")
+    assert not [c for c in _drain(sched) if c.chunk.op == "ref"]  # nothing of ref went out on its own
+
+
+def test_a_step_that_skips_a_fused_op_sends_its_leader_alone():
+    plan = _plan("grpo", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4")
+    val = _sched(plan, 4, 2, ops={"generate", "reward"})  # validation: ref is not needed
+    calls = _drain(val)
+    assert calls[0].chunk.op == "generate" and calls[0].fused == ()
+    assert {c.chunk.op for c in calls} == {"generate", "reward"}
+    # a refilled batch: generate runs on the padding rows only, so ref (on every row) runs on its own
+    carried = (["responses", "response_mask", "prompts", "token_level_scores", "input_ids", "attention_mask",
+                "position_ids", "rollout_log_probs", "policy_version", "policy_version_end"], range(4), ["generate",
+                                                                                                   "reward"])
+    refill = StepScheduler(plan, [1, 1, 2, 2, 7, 7, 8, 8], [False] * 4 + [True] * 4, 0, carried=carried)
+    assert "ref" in {c.chunk.op for c in _drain(refill)}

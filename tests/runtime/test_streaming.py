@@ -84,3 +84,45 @@ def test_a_streaming_call_that_fails_after_a_part_is_run_again(tq_plane, tmp_pat
     assert _stable(killed) == [{**r, "faults/retries": r["faults/retries"] + (1 if r["step"] == 1 else 0),
                                 "faults/restarts": killed[i]["faults/restarts"]}
                                for i, r in enumerate(_stable(clean))]
+
+
+def test_an_op_fused_into_a_streaming_call_runs_inside_it_and_changes_no_result(tq_plane, tmp_path):
+    plan = _plan()
+    assert plan.op("lp").fused_into == "gen" and plan.followers("gen") == ["lp"]
+    unfused = _plan("trainer.fuse_ops=false")
+    assert unfused.op("lp").fused_into is None
+    fused = run_plan(plan, RunOptions(out_dir=tmp_path / "fused", steps=2, timeout_s=120), plane=tq_plane)
+    sync = run_plan(plan, RunOptions(out_dir=tmp_path / "sync", steps=2, schedule="sync", timeout_s=120),
+                    plane=tq_plane)
+    alone = run_plan(unfused, RunOptions(out_dir=tmp_path / "alone", steps=2, timeout_s=120), plane=tq_plane)
+    assert _stable(fused) == _stable(sync) == _stable(alone)
+    # 12 rows in chunks of 5: three lp metric records per step, in both runs
+    assert [r["lp/lp_metrics/rows"] for r in fused] == [12 / 3] * 2 and fused[1]["lp/lp_metrics/chunk"] == 1
+    for step in (0, 1):
+        spans = [s for s in _spans(tmp_path / "fused") if s["args"]["step"] == step]
+        (gen,) = [s for s in spans if s["name"] == "gen"]
+        (lp,) = [s for s in spans if s["name"] == "lp"]  # one call's worth: inside gen's, right after its body
+        assert lp["args"]["fused_into"] == "gen" and lp["tid"] == gen["tid"]
+        assert gen["ts"] + gen["dur"] <= lp["ts"] + 1
+        (alone_lp,) = [s for s in _spans(tmp_path / "alone") if s["args"]["step"] == step and s["name"] == "lp"]
+        assert "fused_into" not in alone_lp["args"]
+
+
+def test_a_failure_inside_a_fused_op_runs_the_fused_call_again(tq_plane, tmp_path):
+    plan = _plan()
+    clean = run_plan(plan, RunOptions(out_dir=tmp_path / "clean", steps=2, timeout_s=120), plane=tq_plane)
+    with pytest.raises(Exception, match=r"op 'lp' failed on worker actor\[0\] at step 1 .*lp was told to fail"):
+        run_plan(_plan("lp.fail_step=1"), RunOptions(out_dir=tmp_path / "fail", steps=2, timeout_s=120),
+                 plane=tq_plane)
+    once = _plan("lp.fail_step=1", f"lp.fail_once_file={tmp_path / 'failed_once'}")
+    retried = run_plan(once, RunOptions(out_dir=tmp_path / "once", steps=2, timeout_s=120), plane=tq_plane)
+    assert retried[1]["faults/retries"] == 1
+    assert _stable(retried) == [{**r, "faults/retries": retried[i]["faults/retries"]}
+                                for i, r in enumerate(_stable(clean))]
+    # the actor killed inside the fused op (after gen's parts were put): a restore and replay, no sample lost
+    killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=120,
+                                       faults=[Fault("lp", step=1, chunk=1, kind="kill")]), plane=tq_plane)
+    assert killed[1]["faults/restarts"] >= 1
+    assert _stable(killed) == [{**r, "faults/retries": r["faults/retries"] + (1 if r["step"] == 1 else 0),
+                                "faults/restarts": killed[i]["faults/restarts"]}
+                               for i, r in enumerate(_stable(clean))]

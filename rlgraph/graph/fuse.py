@@ -1,0 +1,92 @@
+"""Pass 6, fuse: run a worker group's ops that follow each other as one dispatched call per chunk.
+
+Ops of one group share its actors, so when ``ref`` reads nothing but what ``generate`` just
+wrote on the actor, dispatching it as a call of its own only adds a round trip through the
+driver: the actor finishes generating, the driver learns of it, marks the rows ready and sends
+the next call. A *fused chain* removes that: the leader's call carries its followers, and the
+worker runs each follower on the call's rows right after the leader, reading the leader's
+outputs from its own memory (`rlgraph.runtime.dataplane.local`). A column goes to the data
+plane only when something outside the chain reads it (another group, a later op, a summary);
+one read only inside the chain never leaves the worker.
+
+An op F follows leader L (``OpPlan.fused_into``) when all of these hold:
+
+- ``trainer.fuse_ops`` is true (the default);
+- F runs on L's worker group, and every data column it reads is written by the data source or by
+  an op of L's chain (L or an earlier follower), at least one by the chain: F can start as soon
+  as L's call has written its rows, with nothing from another group;
+- F is a forward pass on its rows: it writes no state, has no mini-batches (not an update), is
+  not a barrier, not streaming, drops no rows and is not part of dynamic sampling's rounds; the
+  state it reads (the policy's weights for ``old_logprob``), L reads too, with the same lag, so
+  the version L's call was given is the one F must see;
+- L is not a barrier, drops no rows, is not part of dynamic sampling's rounds, and either runs
+  one call per rank (``per_rank``: then F comes right after it on that rank anyway) or nothing
+  on another pool reads its outputs. (A leader of many chunks feeding another pool keeps its
+  chunks back to back, so that pool starts on them as early as before.)
+- a per-group F (advantage-like, whole groups per chunk) follows only a per-group L, whose
+  chunks hold whole groups.
+
+F's chunks are then L's chunks, each split into F's own micro-batches (`make_chunks` with
+``within``), so every schedule makes the same calls on the same rows: ``stream == sync`` holds.
+A step that skips F (validation, a warm-up) runs L alone; a step that skips L runs F on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from rlgraph.graph.plan import ColumnPlan, OpPlan
+
+__all__ = ["fused_leaders"]
+
+
+def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], source_columns: Sequence[str],
+                  pool_of: Mapping[str, str], round_ops: Sequence[str], enabled: bool = True) -> dict[str, str]:
+    """Follower -> its chain's leader, for every op that runs inside another op's calls ({} if none)."""
+    if not enabled:
+        return {}
+    by_name = {o.name: o for o in ops}
+    source, rounds = set(source_columns), set(round_ops)
+    leader_of: dict[str, str] = {}  # op -> its chain's leader (a leader is its own)
+    out: dict[str, str] = {}
+    for f in sorted(ops, key=lambda o: o.stage):  # producers come in earlier stages
+        if not _pure(f, columns, rounds):
+            continue
+        producers = {columns[c].producer for c in f.inputs if c not in source}
+        if not producers or any(p not in by_name for p in producers):
+            continue
+        chains = {leader_of.get(p, p) for p in producers}
+        if len(chains) != 1:
+            continue
+        lead = by_name[chains.pop()]
+        if lead.group != f.group or any(by_name[p].group != f.group for p in producers):
+            continue
+        if lead.name not in leader_of and not _can_lead(lead, columns, pool_of, by_name, rounds):
+            continue
+        if f.mode == "group" and lead.mode != "group":
+            continue
+        if any(columns[c].level != "sample" for c in f.inputs):
+            continue
+        if not set(f.state_inputs) <= set(lead.state_inputs) or (f.state_inputs and f.lag != lead.lag):
+            continue
+        leader_of.setdefault(lead.name, lead.name)
+        leader_of[f.name] = lead.name
+        out[f.name] = lead.name
+    return out
+
+
+def _pure(f: OpPlan, columns: Mapping[str, ColumnPlan], rounds: set[str]) -> bool:
+    """F may run inside another op's call: a forward pass on its rows that writes no state."""
+    return not (f.drops or f.streams or f.mode == "barrier" or f.name in rounds
+                or f.batching.mini_batch_samples is not None
+                or any(columns[c].kind == "state" for c in f.outputs))
+
+
+def _can_lead(lead: OpPlan, columns: Mapping[str, ColumnPlan], pool_of: Mapping[str, str],
+              by_name: Mapping[str, OpPlan], rounds: set[str]) -> bool:
+    if lead.mode == "barrier" or lead.drops or lead.name in rounds:
+        return False
+    if lead.batching.per_rank:
+        return True
+    readers = {r for c in lead.outputs for r in columns[c].consumers}
+    return all(pool_of[by_name[r].group] == pool_of[lead.group] for r in readers if r in by_name)
