@@ -2,7 +2,11 @@
 
 Run as its own process (one per measured run, as `rlgraph run` is), so start-up is counted the
 same way for both. Writes one JSON line per step to OUT: when the step began and ended (seconds
-since the epoch) and the batch's mean reward.
+since the epoch), the batch's mean reward, and the seconds the step spent in each phase
+(``phase_s``): sampling (``generate``), the reference model's log-probs (``ref``), the reward
+function (``reward``), the whole rollout phase (``rollout``: sampling, rewards, advantages,
+reference log-probs) and the rest of the step (``update``: the loss's forward and backward and
+the optimizer), timed by wrapping the trainer's own methods.
 
     python -m benchmarks.trl_grpo --model DIR --batch 16 --steps 45 --out FILE [--seed 0]
 
@@ -48,13 +52,17 @@ def main() -> None:
                 for c, gt, ds in zip(completions, ground_truth, data_source)]
 
     steps: list[dict] = []
+    phases: dict[str, float] = {}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            phases.clear()
             steps.append({"step": state.global_step, "t_begin": time.time()})
 
         def on_step_end(self, args, state, control, **kw):
             steps[-1]["t_end"] = time.time()
+            step_s = steps[-1]["t_end"] - steps[-1]["t_begin"]
+            steps[-1]["phase_s"] = {**phases, "update": step_s - phases.get("rollout", 0.0)}
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs and steps:
@@ -72,11 +80,33 @@ def main() -> None:
     tok = load_tokenizer(a.model, padding_side="left")
     trainer = GRPOTrainer(model=load_causal_lm(a.model), reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tok, callbacks=[Clock()])
+    _time_phases(trainer, phases)
     trainer.train()
     with open(a.out, "w") as f:
         f.write(json.dumps({"t0": a.t0 or T0}) + "\n")
         for s in steps:
             f.write(json.dumps(s) + "\n")
+
+
+def _time_phases(trainer, phases: dict[str, float]) -> None:
+    """Wrap the trainer's rollout methods so that each step's time in them adds up in `phases`."""
+    def timed(name, fn, only=None):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if only is None or only(args, kwargs):
+                    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    def on_ref(args, kwargs):
+        return (args[0] if args else kwargs.get("model")) is trainer.ref_model
+
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._get_per_token_logps_and_entropies = timed("ref", trainer._get_per_token_logps_and_entropies, on_ref)
+    trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions)
 
 
 if __name__ == "__main__":

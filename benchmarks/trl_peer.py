@@ -30,6 +30,11 @@ is against TRL with its default threads. "rlgraph, unfused" is the synchronous e
 ``trainer.fuse_ops=false``: the reference pass dispatched as a call of its own instead of riding
 in generation's call on the actor (issue 25, item 2: the hand-off that fusing removes).
 
+The second table splits each step into its phases, in the same runs (issue 25, item 7): for
+rlgraph, each op's busy time per step from its metrics (and the part of it spent reading and
+writing the data plane); for TRL, the time its step spends in the same work, timed around the
+trainer's own methods (`benchmarks.trl_grpo`).
+
     .venv/bin/python -m benchmarks.run trl_peer     # needs pip install 'rlgraph[bench]'
 """
 
@@ -51,7 +56,9 @@ from rlgraph.runtime.metrics import read_metrics
 N = 8
 ONE_THREAD = "TRL, 1 thread"  # TRL with the threads of rlgraph's actor: the same passes in one process, same threads
 UNFUSED = "rlgraph, unfused"  # trainer.fuse_ops=false: every op dispatched on its own
-SETTINGS = [(16, 45, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
+SETTINGS = [(16, 45, 5), (32, 35, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
+# the phases compared (item 7): rlgraph's op -> the same work in TRL's step (benchmarks.trl_grpo's phase_s)
+PHASES = {"generate": "generate", "ref": "ref", "reward": "reward", "update_actor": "update"}
 QUICK = [(4, 3, 0)]
 
 
@@ -87,8 +94,10 @@ def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int, *overri
         raise RuntimeError(f"rlgraph run failed:\n{log_file.read_text()[-3000:]}")
     records = read_metrics(metrics)
     ends += [time.time()] * (len(records) - len(ends))
+    phases = [{op: (r.get(f"timing/{op}/busy_s", 0.0), r.get(f"timing/{op}/io_s", 0.0)) for op in PHASES}
+              for r in records]
     return {"ends": ends, "first_step_s": records[0]["timing/step_s"], "reward": [r["score/mean"] for r in records],
-            "wall": wall, "startup": ends[0] - t0 - records[0]["timing/step_s"]}
+            "wall": wall, "startup": ends[0] - t0 - records[0]["timing/step_s"], "phases": phases}
 
 
 def _trl(model: str, batch: int, steps: int, out: Path, seed: int, threads: int = 0) -> dict[str, Any]:
@@ -105,7 +114,9 @@ def _trl(model: str, batch: int, steps: int, out: Path, seed: int, threads: int 
     lines = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines() if ln.strip()]
     head, recs = lines[0], lines[1:]
     return {"ends": [r["t_end"] for r in recs], "first_step_s": recs[0]["t_end"] - recs[0]["t_begin"],
-            "reward": [r.get("reward", float("nan")) for r in recs], "wall": wall, "startup": recs[0]["t_begin"] - head["t0"]}
+            "reward": [r.get("reward", float("nan")) for r in recs], "wall": wall, "startup": recs[0]["t_begin"] - head["t0"],
+            "phases": [{op: (r.get("phase_s", {}).get(name, float("nan")), 0.0) for op, name in PHASES.items()}
+                       for r in recs]}
 
 
 def _per_step(x: dict[str, Any], skip: int) -> float:
@@ -113,6 +124,12 @@ def _per_step(x: dict[str, Any], skip: int) -> float:
     flight, a step's own span is longer than this), median over the steps after the first `skip`."""
     gaps = [b - a for a, b in zip(x["ends"], x["ends"][1:])][max(skip - 1, 0):]
     return statistics.median(gaps) if gaps else x["first_step_s"]
+
+
+def _phase(xs: list[dict[str, Any]], op: str, skip: int, io: bool = False) -> float:
+    """Median over runs of each run's median seconds per step in phase `op` (its data-plane part: `io`)."""
+    per_run = [statistics.median(p[op][1 if io else 0] for p in x["phases"][skip:] or x["phases"]) for x in xs]
+    return statistics.median(per_run)
 
 
 def _gain(rewards: list[float]) -> float:
@@ -132,6 +149,9 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
     table = common.Table(["prompts x n", "trainer", "s/step (median)", "vs TRL", "start-up s", "wall s",
                           "reward gain", "gain per minute"], title="GRPO on the addition task, alternating runs")
     chart: dict[str, list[float]] = {}
+    phases = common.Table(["prompts x n", "phase", "rlgraph s/step", "of it data plane", "TRL s/step",
+                           "TRL, 1 thread s/step", "rlgraph vs TRL, 1 thread"],
+                          title="Each phase's time per step (median), in the same runs")
     with tempfile.TemporaryDirectory() as tmp:
         for batch, steps, skip in settings:
             got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], UNFUSED: [], "rlgraph async k=1": [], "TRL": [],
@@ -155,7 +175,12 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                 train_min = statistics.median(x["ends"][-1] - x["ends"][0] + x["first_step_s"] for x in xs) / 60
                 table.add(f"{batch} x {N}", name, step, step / trl_step, statistics.median(x["startup"] for x in xs),
                           statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
+            for op in PHASES:
+                ours, alone = _phase(got["rlgraph"], op, skip), _phase(got[ONE_THREAD], op, skip)
+                phases.add(f"{batch} x {N}", op, ours, _phase(got["rlgraph"], op, skip, io=True),
+                           _phase(got["TRL"], op, skip), alone, ours / alone if alone else float("nan"))
     table.print()
+    phases.print()
     intro = __doc__.split("\n\n", 1)[1].split("    .venv")[0].strip()
     if svg is not None:
         from benchmarks.charts import bar_chart
@@ -166,10 +191,14 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
     return common.Section(
         "trl", "11. Against a sequential peer: TRL's GRPOTrainer",
         intro,
-        [table],
+        [table, phases],
         notes=("Targets (issue 25): synchronous rlgraph at most 1.3x TRL's s/step at every batch size; start-up "
                "to the first step at most 8 s; the asynchronous example (k=1) a higher reward gain per minute "
-               "than TRL."),
+               "than TRL; each phase no slower per sample than the same pass in one process with the same threads "
+               "(TRL, 1 thread). The phase table: rlgraph's op calls' busy time per step (generate, ref, reward, "
+               "update_actor; 'of it data plane': the calls' own gets and puts), against the time TRL's step spends "
+               "in the same work (its _generate, the reference model's log-probs, the reward function, and the step "
+               "less its rollout phase: loss, backward and optimizer)."),
         command=common.command_line(argv or ["trl_peer"]),
     )
 
