@@ -16,18 +16,24 @@ An op F follows leader L (``OpPlan.fused_into``) when all of these hold:
   an op of L's chain (L or an earlier follower), at least one by the chain: F can start as soon
   as L's call has written its rows, with nothing from another group;
 - F is a forward pass on its rows: it writes no state, has no mini-batches (not an update), is
-  not a barrier, not streaming, drops no rows and is not part of dynamic sampling's rounds; the
-  state it reads (the policy's weights for ``old_logprob``), L reads too, with the same lag, so
-  the version L's call was given is the one F must see;
+  not a barrier, not streaming, not one call per rank, drops no rows and is not part of dynamic
+  sampling's rounds; the state it reads (the policy's weights for ``old_logprob``), L reads too,
+  with the same lag (and not a partial-rollout L, which may switch weights mid-call), so the
+  version L's call was given is the one F must see;
 - L is not a barrier, drops no rows, is not part of dynamic sampling's rounds, and either runs
   one call per rank (``per_rank``: then F comes right after it on that rank anyway) or nothing
   on another pool reads its outputs. (A leader of many chunks feeding another pool keeps its
-  chunks back to back, so that pool starts on them as early as before.)
+  chunks back to back, so that pool starts on them as early as before.) F's own outputs reach
+  other pools when the call ends, as they would have with F run right after L on that rank; a
+  leader that does not stream its parts hands its rows on at the call's end too, after F.
 - a per-group F (advantage-like, whole groups per chunk) follows only a per-group L, whose
   chunks hold whole groups.
 
 F's chunks are then L's chunks, each split into F's own micro-batches (`make_chunks` with
 ``within``), so every schedule makes the same calls on the same rows: ``stream == sync`` holds.
+Where L has one chunk (one rank of a per-rank L) F's chunks are those it has unfused, and results
+equal an unfused run's; where L has several, F's micro-batches restart at each of L's chunks, so
+chunk boundaries (and with them per-chunk seeds and padding widths) may differ from an unfused run.
 A step that skips F (validation, a warm-up) runs L alone; a step that skips L runs F on its own.
 """
 
@@ -69,6 +75,8 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
             continue
         if not set(f.state_inputs) <= set(lead.state_inputs) or (f.state_inputs and f.lag != lead.lag):
             continue
+        if f.state_inputs and lead.params.get("partial") and not f.params.get("partial"):
+            continue  # partial rollout: the leader may switch to newer weights mid-call
         leader_of.setdefault(lead.name, lead.name)
         leader_of[f.name] = lead.name
         out[f.name] = lead.name
@@ -77,7 +85,7 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
 
 def _pure(f: OpPlan, columns: Mapping[str, ColumnPlan], rounds: set[str]) -> bool:
     """F may run inside another op's call: a forward pass on its rows that writes no state."""
-    return not (f.drops or f.streams or f.mode == "barrier" or f.name in rounds
+    return not (f.drops or f.streams or f.mode == "barrier" or f.name in rounds or f.batching.per_rank
                 or f.batching.mini_batch_samples is not None
                 or any(columns[c].kind == "state" for c in f.outputs))
 

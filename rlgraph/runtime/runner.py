@@ -297,8 +297,9 @@ class Runner:
                         lv.take_part(call, result)
                         inflight[waitable] = what
                     elif lv.take(call, result) and lv.training:
-                        for op in (call.chunk.op, *(name for name, _ in call.fused)):
-                            self.reporter.chunk_done(lv.step, op)
+                        for op, n in ((call.chunk.op, 1), *((name, len(chs)) for name, chs in call.fused)):
+                            for _ in range(n):  # a follower's bar counts its chunks
+                                self.reporter.chunk_done(lv.step, op)
                             if lv.sched.op_finished(op):
                                 self.weights.produced(op, lv.step)
         except BaseException as e:

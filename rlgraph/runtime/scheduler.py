@@ -203,7 +203,8 @@ def _fused_this_step(plan: Plan, skipped: Mapping[str, bool], round_ops: Sequenc
         lead = op.fused_into
         if lead is None or skipped[op.name] or skipped[lead] or op.name in round_ops or lead in round_ops:
             continue
-        producers = {plan.columns[c].producer for c in op.inputs} - set(plan.source_columns)
+        source = set(plan.source_columns)
+        producers = {plan.columns[c].producer for c in op.inputs if c not in source}
         if all(p == lead or out.get(p) == lead for p in producers):
             out[op.name] = lead
     return out

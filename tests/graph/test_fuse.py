@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlgraph import Cluster, DataSource, Pipeline, T, WorkerGroup, compile, op
+from rlgraph import Batching, Cluster, DataSource, Pipeline, T, WorkerGroup, compile, op
 from rlgraph.graph.dsl import op_spec
 from rlgraph.graph.loader import load_pipeline
 from rlgraph.runtime.worker import local_columns
@@ -130,3 +130,39 @@ def test_a_column_read_only_inside_a_chain_never_leaves_the_worker():
     kept, private = local_columns(plan, "g")
     assert "a_out" in private  # read by b alone, inside a's calls
     assert "b_out" in kept
+
+
+@op(outputs={"a_out": T.float32(L)}, group="g", granularity="group",
+    batching=Batching(per_rank=True))
+def a_per_rank(x: T.float32(L)):
+    return {"a_out": x}
+
+
+@op(outputs={"b_out": T.float32(L)}, group="g", granularity="group",
+    batching=Batching(per_rank=True))
+def b_per_rank(a_out: T.float32(L)):
+    return {"b_out": a_out}
+
+
+def test_a_per_rank_follower_stays_apart():
+    # inside a leader's call it would be cut into dp pieces per leader chunk: one call per rank no more
+    plan = _plan(a_per_rank, b_per_rank)
+    assert plan.op("a_per_rank").batching.per_rank and _fused(plan) == {}
+
+
+def test_a_follower_reading_a_source_column_is_fused_at_run_time_too():
+    """d reads b's output and the source's x: compiled as fused, and dispatched in a's calls (a
+    column read only inside the chain is private, so running d apart would find it nowhere)."""
+    from rlgraph.runtime.scheduler import StepScheduler
+
+    plan = _plan(a, b, d)
+    sched = StepScheduler(plan, [0, 1, 2, 3], [False] * 4, 0)
+    calls = []
+    while not sched.finished:
+        wave = sched.next_calls()
+        assert wave, sched.unfinished()
+        calls += wave
+        for c in wave:
+            sched.call_done(c)
+    assert {c.chunk.op for c in calls} == {"a"}
+    assert all([name for name, _ in c.fused] == ["b", "d"] for c in calls)
