@@ -25,6 +25,20 @@ def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
+def _same_after_one_retry(retried, clean):
+    """Step 1 failed once and ran again: the records are the clean run's, but for its retry count."""
+    assert retried[1]["faults/retries"] == 1
+    assert _stable(retried) == [{**r, "faults/retries": retried[i]["faults/retries"]}
+                                for i, r in enumerate(_stable(clean))]
+
+
+def _same_after_a_restore(killed, clean):
+    """A worker died at step 1: restored and replayed, the records are the clean run's but for the faults."""
+    assert _stable(killed) == [{**r, "faults/retries": r["faults/retries"] + (1 if r["step"] == 1 else 0),
+                                "faults/restarts": killed[i]["faults/restarts"]}
+                               for i, r in enumerate(_stable(clean))]
+
+
 def _spans(out):
     return [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
 
@@ -75,15 +89,11 @@ def test_a_streaming_call_that_fails_after_a_part_is_run_again(tq_plane, tmp_pat
     # failing once, after its first part was handed on (score may have started on it): run again, same results
     once = _plan("gen.fail_step=1", f"gen.fail_once_file={tmp_path / 'failed_once'}")
     retried = run_plan(once, RunOptions(out_dir=tmp_path / "once", steps=2, timeout_s=120), plane=tq_plane)
-    assert retried[1]["faults/retries"] == 1
-    assert _stable(retried) == [{**r, "faults/retries": retried[i]["faults/retries"]}
-                                for i, r in enumerate(_stable(clean))]
+    _same_after_one_retry(retried, clean)
     # a worker killed after it wrote its outputs (all parts) costs a restore and replay, no sample
     killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=120,
                                        faults=[Fault("gen", step=1, kind="kill_after")]), plane=tq_plane)
-    assert _stable(killed) == [{**r, "faults/retries": r["faults/retries"] + (1 if r["step"] == 1 else 0),
-                                "faults/restarts": killed[i]["faults/restarts"]}
-                               for i, r in enumerate(_stable(clean))]
+    _same_after_a_restore(killed, clean)
 
 
 def test_an_op_fused_into_a_streaming_call_runs_inside_it_and_changes_no_result(tq_plane, tmp_path):
@@ -116,13 +126,9 @@ def test_a_failure_inside_a_fused_op_runs_the_fused_call_again(tq_plane, tmp_pat
                  plane=tq_plane)
     once = _plan("lp.fail_step=1", f"lp.fail_once_file={tmp_path / 'failed_once'}")
     retried = run_plan(once, RunOptions(out_dir=tmp_path / "once", steps=2, timeout_s=120), plane=tq_plane)
-    assert retried[1]["faults/retries"] == 1
-    assert _stable(retried) == [{**r, "faults/retries": retried[i]["faults/retries"]}
-                                for i, r in enumerate(_stable(clean))]
+    _same_after_one_retry(retried, clean)
     # the actor killed inside the fused op (after gen's parts were put): a restore and replay, no sample lost
     killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=120,
                                        faults=[Fault("lp", step=1, chunk=1, kind="kill")]), plane=tq_plane)
     assert killed[1]["faults/restarts"] >= 1
-    assert _stable(killed) == [{**r, "faults/retries": r["faults/retries"] + (1 if r["step"] == 1 else 0),
-                                "faults/restarts": killed[i]["faults/restarts"]}
-                               for i, r in enumerate(_stable(clean))]
+    _same_after_a_restore(killed, clean)
