@@ -1,4 +1,4 @@
-"""Pass 6, fuse: run a worker group's ops that follow each other as one dispatched call per chunk.
+"""Pass 7, fuse: run a worker group's ops that follow each other as one dispatched call per chunk.
 
 Ops of one group share its actors, so when ``ref`` reads nothing but what ``generate`` just
 wrote on the actor, dispatching it as a call of its own only adds a round trip through the

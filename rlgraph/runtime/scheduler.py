@@ -199,11 +199,11 @@ def _fused_this_step(plan: Plan, skipped: Mapping[str, bool], round_ops: Sequenc
     ops, which skip the rows brought from the rounds), and so does every chain op it reads from;
     the others run on their own."""
     out: dict[str, str] = {}
+    source = set(plan.source_columns)
     for op in sorted(plan.ops, key=lambda o: o.stage):
         lead = op.fused_into
         if lead is None or skipped[op.name] or skipped[lead] or op.name in round_ops or lead in round_ops:
             continue
-        source = set(plan.source_columns)
         producers = {plan.columns[c].producer for c in op.inputs if c not in source}
         if all(p == lead or out.get(p) == lead for p in producers):
             out[op.name] = lead

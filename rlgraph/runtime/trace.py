@@ -8,8 +8,9 @@ box per op call, so a user sees which stages overlapped.
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -25,21 +26,26 @@ class Compact:
 
     def __getstate__(self) -> dict[str, Any]:
         state = {}
-        for f in fields(self):  # type: ignore[arg-type]
+        for f, default in _defaults(type(self)):
             value = getattr(self, f.name)
-            default = f.default if f.default is not MISSING else (
-                f.default_factory() if f.default_factory is not MISSING else MISSING)
             if default is MISSING or type(value) is not type(default) or value != default:
                 state[f.name] = value
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
+        for f, _ in _defaults(type(self)):
             if f.name in state:
                 value = state[f.name]
-            else:
+            else:  # a fresh default: a mutable one is the object's own
                 value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
             object.__setattr__(self, f.name, value)  # frozen dataclasses too
+
+
+@functools.cache
+def _defaults(cls: type) -> tuple[tuple[Field, Any], ...]:
+    """Each field of dataclass `cls` with its default value (made once, to compare with), or MISSING."""
+    return tuple((f, f.default if f.default is not MISSING else
+                  f.default_factory() if f.default_factory is not MISSING else MISSING) for f in fields(cls))
 
 
 @dataclass(frozen=True)
