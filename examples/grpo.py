@@ -5,8 +5,9 @@ the reward is 1 for a correct answer and 0 otherwise, so the mean reward reads a
 Before the first run, ``prepare`` builds a tiny Qwen2-style model with a character tokenizer
 and gives it a short, open supervised warm start (cached in ``actor.model_path``).
 
-The advantage op runs per group, so each prompt's n responses are normalised as soon as they
-are all scored, while the rest of the batch is still generating.
+The advantage op runs per group on the reward's worker, inside the reward's calls (a fused
+chain: no hand-off between the two), so each prompt's n responses are normalised as soon as
+they are scored, while the policy computes the reference log-probs.
 
     rlgraph run examples/grpo.py -o runs/grpo
     rlgraph run examples/grpo.py -o runs/grpo_vllm rollout.backend=vllm   # after setup.sh --vllm=cpu
@@ -36,13 +37,12 @@ pipeline = Pipeline(
         stages.reward(group="reward"),
         stages.old_logprob(group="actor"),
         stages.ref(group="actor"),
-        stages.advantage("grpo", group="advantage"),
+        stages.advantage("grpo", group="reward"),
         stages.update_actor(group="actor"),
     ],
     groups=[
         WorkerGroup("actor", dp=1, num_cpus=1, doc="policy: rollout, old log-probs, reference, update"),
-        WorkerGroup("reward", dp=1, num_cpus=1, doc="rule-based reward workers"),
-        WorkerGroup("advantage", dp=1, num_cpus=0.5, doc="advantage estimation (CPU math)"),
+        WorkerGroup("reward", dp=1, num_cpus=1, doc="rule-based reward, then the advantage (CPU math)"),
     ],
     cluster=Cluster(num_nodes=1, cpus_per_node=8, gpus_per_node=0),
     config={

@@ -63,6 +63,10 @@ class BuiltGraph:
     def param(self, spec: OpSpec, key: str) -> Any:
         return self.config[f"{spec.namespace}.{key}"]
 
+    def drops(self, spec: OpSpec) -> bool:
+        """Whether the op may drop rows under this config (`OpSpec.drops`, narrowed by its ``drops_if``)."""
+        return spec.drops and (spec.drops_if is None or bool(spec.drops_if({k: self.param(spec, k) for k in spec.params})))
+
     def connected(self, spec: OpSpec) -> list[str]:
         """The op's inputs that are edges of the graph: produced, and used under its config."""
         return [c for c in spec.inputs if c in self.producers and c not in self.unused_inputs.get(spec.name, ())]

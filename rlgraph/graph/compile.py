@@ -70,11 +70,11 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
             stage=stage_of.get(o.name, 0),
             concurrent_with=concurrent[o.name],
             skip_before_step=gated(g, o),
-            drops=o.drops,
+            drops=g.drops(o),
             lag=staleness(g, o),
             streams=o.streams,
             vectorised=o.vectorised,
-            downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if o.drops else [],
+            downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if g.drops(o) else [],
             runtime_params=list(o.runtime_params),
             batching=op_batching(g, o, batch_plan),
             cost=o.cost,
@@ -82,7 +82,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
         ))
     refill = _refill(g, columns)
     fused = fused_leaders(ops, columns, g.pipeline.source.all_columns(), {gp.name: gp.pool for gp in groups},
-                          refill.round_ops if refill else (), TrainerSettings.of(g.config).fuse_ops)
+                          refill.round_ops if refill else (), TrainerSettings.of(g.config).fuse_ops, batch_plan.n)
     ops = [o.model_copy(update={"fused_into": fused[o.name]}) if o.name in fused else o for o in ops]
     return Plan(
         rlgraph_version=__version__,

@@ -201,6 +201,9 @@ class OpSpec:
     cost: float = 1.0  # relative cost hint for the critical path
     doc: str = ""
     drops: bool = False  # the body may drop rows from training (ctx.drop): the plan lists the ops its drops reach
+    # with drops: whether the body may drop under the op's params (default: always); one that cannot (reward
+    # with on_error=fail) is planned as an op that drops nothing, so it can be fused and its readers need not wait
+    drops_if: Callable[[Mapping[str, Any]], bool] | None = None
     streams: bool = False  # the body is a generator that yields its rows in parts as they finish
     # the body computes each chunk (a micro-batch, or a group of a per-group op) on its own rows only, so
     # the runtime calls it once with every chunk of a call instead of once per chunk; ctx.chunks gives

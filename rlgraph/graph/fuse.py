@@ -13,8 +13,9 @@ An op F follows leader L (``OpPlan.fused_into``) when all of these hold:
 
 - ``trainer.fuse_ops`` is true (the default);
 - F runs on L's worker group, and every data column it reads is written by the data source or by
-  an op of L's chain (L or an earlier follower), at least one by the chain: F can start as soon
-  as L's call has written its rows, with nothing from another group;
+  an op of L's chain (L or an earlier follower), at least one by the chain, or is read by an op of
+  the chain (then it was ready when L's call started): F can start as soon as L's call has written
+  its rows, with nothing more from another group;
 - F is a forward pass on its rows: it writes no state, has no mini-batches (not an update), is
   not a barrier, not streaming, not one call per rank, drops no rows and is not part of dynamic
   sampling's rounds; the state it reads (the policy's weights for ``old_logprob``), L reads too,
@@ -26,8 +27,9 @@ An op F follows leader L (``OpPlan.fused_into``) when all of these hold:
   chunks back to back, so that pool starts on them as early as before.) F's own outputs reach
   other pools when the call ends, as they would have with F run right after L on that rank; a
   leader that does not stream its parts hands its rows on at the call's end too, after F.
-- a per-group F (advantage-like, whole groups per chunk) follows only a per-group L, whose
-  chunks hold whole groups.
+- a per-group F (advantage-like, whole groups per chunk) follows only an L whose chunks hold whole
+  groups: a per-group L, or a per-sample L cut into micro-batches of whole groups (a multiple of
+  the group size n, not one call per rank). So the reward's call can carry the advantage.
 
 F's chunks are then L's chunks, each split into F's own micro-batches (`make_chunks` with
 ``within``), so every schedule makes the same calls on the same rows: ``stream == sync`` holds.
@@ -47,13 +49,15 @@ __all__ = ["fused_leaders"]
 
 
 def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], source_columns: Sequence[str],
-                  pool_of: Mapping[str, str], round_ops: Sequence[str], enabled: bool = True) -> dict[str, str]:
+                  pool_of: Mapping[str, str], round_ops: Sequence[str], enabled: bool = True,
+                  group_size: int = 1) -> dict[str, str]:
     """Follower -> its chain's leader, for every op that runs inside another op's calls ({} if none)."""
     if not enabled:
         return {}
     by_name = {o.name: o for o in ops}
     source, rounds = set(source_columns), set(round_ops)
     leader_of: dict[str, str] = {}  # op -> its chain's leader (a leader is its own)
+    chain_reads: dict[str, set[str]] = {}  # leader -> the columns its chain's ops read (ready at its call's start)
     out: dict[str, str] = {}
     for f in sorted(ops, key=lambda o: o.stage):  # producers come in earlier stages
         if not _pure(f, columns, rounds):
@@ -61,15 +65,15 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
         producers = {columns[c].producer for c in f.inputs if c not in source}
         if not producers or any(p not in by_name for p in producers):
             continue
-        chains = {leader_of.get(p, p) for p in producers}
-        if len(chains) != 1:
+        name = _chain_of(f, producers, by_name, leader_of, chain_reads, columns)
+        if not name:
             continue
-        lead = by_name[chains.pop()]
-        if lead.group != f.group or any(by_name[p].group != f.group for p in producers):
+        lead = by_name[name]
+        if lead.group != f.group:
             continue
         if lead.name not in leader_of and not _can_lead(lead, columns, pool_of, by_name, rounds):
             continue
-        if f.mode == "group" and lead.mode != "group":
+        if f.mode == "group" and not _whole_groups(lead, group_size):
             continue
         if any(columns[c].level != "sample" for c in f.inputs):
             continue
@@ -79,8 +83,32 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
             continue  # partial rollout: the leader may switch to newer weights mid-call
         leader_of.setdefault(lead.name, lead.name)
         leader_of[f.name] = lead.name
+        chain_reads.setdefault(lead.name, set(lead.inputs)).update(f.inputs)
         out[f.name] = lead.name
     return out
+
+
+def _chain_of(f: OpPlan, producers: set[str], by_name: Mapping[str, OpPlan], leader_of: Mapping[str, str],
+              chain_reads: Mapping[str, set[str]], columns: Mapping[str, ColumnPlan]) -> str:
+    """The chain whose leader's call F can run in: every column F reads, but the source's, is written
+    by an op of that chain (one at least) or read by one (so ready when the call starts); "" if none."""
+    for lead in dict.fromkeys(leader_of.get(p, p) for p in sorted(producers)):
+        reads = chain_reads.get(lead) or set(by_name[lead].inputs)
+        written = {p for p in producers if leader_of.get(p, p) == lead and by_name[p].group == f.group}
+        if written and all(columns[c].producer in written or c in reads
+                           for c in f.inputs if columns[c].producer in producers):
+            return lead
+    return ""
+
+
+def _whole_groups(lead: OpPlan, group_size: int) -> bool:
+    """Every chunk of `lead` holds whole groups (rows of a group are contiguous, from row 0)."""
+    if lead.mode == "group":
+        return True
+    if lead.mode != "stream" or lead.batching.per_rank:
+        return False
+    size = lead.batching.micro_batch_size
+    return not size or size % max(group_size, 1) == 0
 
 
 def _pure(f: OpPlan, columns: Mapping[str, ColumnPlan], rounds: set[str]) -> bool:

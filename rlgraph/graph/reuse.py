@@ -51,7 +51,7 @@ def reused_forwards(g: BuiltGraph) -> dict[str, str]:
             p = g.spec(producer)
             plan = plan or batch(g)
             b = op_batching(g, u, plan)
-            if b.updates_per_step != 1 or p.group != u.group or p.stale_ok or p.drops or p.refill:
+            if b.updates_per_step != 1 or p.group != u.group or p.stale_ok or g.drops(p) or p.refill:
                 continue
             if any(t.kind == "state" and c not in u.outputs for c, t in p.inputs.items()):
                 continue

@@ -313,7 +313,7 @@ def to_dot(plan: Plan) -> "graphviz.Digraph":
                              f"trainer.max_staleness={lag})")
         elif (u, v) in critical:
             attrs.update(penwidth="2.6", color=_CRITICAL, arrowsize="0.9")
-        elif plan.op(v).fused_into is not None and plan.op(v).fused_into in (u, plan.op(u).fused_into):
+        elif u != src and plan.op(v).fused_into is not None and plan.op(v).fused_into in (u, plan.op(u).fused_into):
             attrs.update(penwidth="2", color=_FUSED)  # inside a fused chain: one call
         dot.edge(u, v, _edge_label(plan, columns, kind == "state", lag), **attrs)
     rf = plan.refill

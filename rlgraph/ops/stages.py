@@ -239,6 +239,11 @@ def _validate_reward(params: Mapping[str, Any], connected: frozenset[str]) -> li
     return []
 
 
+def _drops_on_error(params: Mapping[str, Any]) -> bool:
+    """A scoring op drops rows only with ``on_error=drop_group``: fail and zero keep every row."""
+    return params.get("on_error") == "drop_group"
+
+
 def reward(group: str = "reward", name: str = "reward", score_column: str = "token_level_scores",
            **changes: Any) -> OpSpec:
     """Score each sample with a rule-based function (verl's compute_score signature), concurrently.
@@ -261,6 +266,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         impl="rlgraph.ops.reward.rule:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,  # on_error=drop_group
+        drops_if=_drops_on_error,
         validate=_validate_reward,
         cost=0.5,
     ).with_(**changes)
@@ -297,6 +303,7 @@ def reward_model(group: str = "reward_model", name: str = "reward_model", score_
             impl="rlgraph.ops.reward.judge:JudgeWorker.compute_judge_score",
             batching=Batching(micro_batch="micro_batch_size"),
             drops=True,
+            drops_if=_drops_on_error,
             validate=_validate_judge,
             cost=2.0,
             doc="A judge model grades each response (generative reward model); its parsed score on the last token.",

@@ -100,9 +100,10 @@ class OpContext:
         in every op that depends on this one; the op still returns a value for the row. Only an
         op declared with ``drops=True`` may drop rows."""
         if not self.can_drop:
-            raise OpError(f"op {self.op!r} called ctx.drop but is not declared to drop rows; declare it with "
-                          f"drops=True (@op(..., drops=True) or OpSpec(drops=True)), so that the plan lists the "
-                          f"ops its drops reach")
+            raise OpError(f"op {self.op!r} called ctx.drop but is not planned to drop rows; declare it with "
+                          f"drops=True (@op(..., drops=True) or OpSpec(drops=True)), and where its OpSpec has a "
+                          f"drops_if, make it true for the params that drop, so that the plan lists the ops its "
+                          f"drops reach")
         if not 0 <= index < len(self.rows):
             raise IndexError(f"ctx.drop({index}): this call has {len(self.rows)} rows")
         if not reason or "/" in reason:

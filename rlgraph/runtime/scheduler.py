@@ -197,16 +197,20 @@ def _fused_this_step(plan: Plan, skipped: Mapping[str, bool], round_ops: Sequenc
     """Follower -> leader for the fused chains that run this step: a follower is fused when it
     and its leader run on all their rows (neither is skipped, nor one of a refilled batch's round
     ops, which skip the rows brought from the rounds), and so does every chain op it reads from;
-    the others run on their own."""
+    the others run on their own. (A column the chain's call already reads, written outside it, is
+    ready when the call starts.)"""
     out: dict[str, str] = {}
+    reads: dict[str, set[str]] = {}  # leader -> the columns its call's ops read this step
     source = set(plan.source_columns)
     for op in sorted(plan.ops, key=lambda o: o.stage):
         lead = op.fused_into
         if lead is None or skipped[op.name] or skipped[lead] or op.name in round_ops or lead in round_ops:
             continue
-        producers = {plan.columns[c].producer for c in op.inputs if c not in source}
-        if all(p == lead or out.get(p) == lead for p in producers):
+        chain = reads.setdefault(lead, set(plan.op(lead).inputs))
+        if all(c in source or c in chain or plan.columns[c].producer in (lead, *(f for f, x in out.items() if x == lead))
+               for c in op.inputs):
             out[op.name] = lead
+            chain.update(op.inputs)
     return out
 
 

@@ -11,6 +11,7 @@ between groups as Ray object references when producer and consumer are not coloc
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import traceback
@@ -83,6 +84,14 @@ def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str
     private = frozenset(c for c in kept if (inside_chain(c) or (alone and set(plan.columns[c].consumers) <= ops))
                         and c not in plan.validation.columns and c not in plan.summaries)
     return kept, private
+
+
+def _private_copy(value: Any) -> Any:
+    """A column as read from the plane, for an op of a fused call to keep or be given: its own copy,
+    so what one body changes in place never reaches another (as reads from the plane would not)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return copy.deepcopy(value) if value and not isinstance(value[0], (str, bytes, int, float, bool)) else list(value)
 
 
 def torch_threads(planned: int) -> int:
@@ -159,6 +168,9 @@ class GroupWorker:
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
         self.local = LocalColumns()
         self.kept, self.private = local_columns(self.plan, group)
+        # during a call with fused ops: the columns its ops read from the plane, for its rows (one get)
+        self._call_inputs: dict[str, Any] | None = None
+        self._prefetch: list[str] = []
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
 
@@ -199,9 +211,23 @@ class GroupWorker:
         after it, in order, and their results come in `CallResult.fused`."""
         rows = tuple(rows)
         self._learn(partition, rows, addresses)
-        result = self._run(op_name, step, partition, chunks, rows, uids, is_padding, batch_inputs, salt)
-        result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
+        self._call_inputs, self._prefetch = ({}, self._chain_reads(op_name, fused)) if fused else (None, [])
+        try:
+            result = self._run(op_name, step, partition, chunks, rows, uids, is_padding, batch_inputs, salt)
+            result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
+        finally:
+            self._call_inputs, self._prefetch = None, []
         return result
+
+    def _chain_reads(self, leader: str, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> list[str]:
+        """The per-sample columns the ops fused into `leader`'s call read from the data plane, but
+        the leader does not: got with the leader's inputs, in one get (the chain's own outputs are
+        in this worker's memory)."""
+        names = [leader, *(name for name, _ in fused)]
+        made = {c for n in names for c in self.plan.op(n).outputs}
+        own = set(self.plan.op(leader).inputs)
+        return list(dict.fromkeys(c for n in names[1:] for c in self.plan.op(n).inputs
+                                  if c not in made and c not in own and self.plan.columns[c].level == "sample"))
 
     def _run(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
              rows: tuple[int, ...], uids: Sequence[int], is_padding: Sequence[bool],
@@ -261,9 +287,20 @@ class GroupWorker:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult` (after the
         ops fused into the call ran on all its rows)."""
+        try:
+            yield from self._stream(op_name, step, partition, chunk, rows, uids, is_padding, batch_inputs, salt,
+                                    addresses, fused)
+        finally:  # failed, or closed early: the call's reads go with it
+            self._call_inputs, self._prefetch = None, []
+
+    def _stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
+                uids: Sequence[int], is_padding: Sequence[bool], batch_inputs: dict[str, Any] | None, salt: int,
+                addresses: Any, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]]
+                ) -> Iterator[PartResult | CallResult]:
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         self._learn(partition, rows, addresses)
         moved = locality_bytes_in_this_process()
+        self._call_inputs, self._prefetch = ({}, self._chain_reads(op_name, fused)) if fused else (None, [])
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk)
             io_s = time.time() - start
@@ -315,12 +352,21 @@ class GroupWorker:
 
     def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
         sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
-        if not sample_inputs or not rows:
+        extra, self._prefetch = self._prefetch, []  # the leader of a fused call gets its followers' reads too
+        if not (sample_inputs or extra) or not rows:
             return {}
         got = self.local.take(partition, rows, sample_inputs)  # what this worker wrote itself
+        cache = self._call_inputs  # None: no fused call; else what this call's earlier ops got, for its rows
+        if cache:
+            got.update((c, _private_copy(cache[c])) for c in sample_inputs if c not in got and c in cache)
+            # (each follower its own copy, from the cache's, which no body was given)
         rest = [c for c in sample_inputs if c not in got]
-        if rest:
-            got.update(self.client.get(partition, rows, rest))
+        extra = [c for c in extra if c not in got and c not in rest]
+        if rest or extra:
+            read = self.client.get(partition, rows, rest + extra)
+            got.update((c, read[c]) for c in rest)
+            if cache is not None:  # copied before this op's body runs: what it changes in place stays its own
+                cache.update((c, _private_copy(v) if c in rest else v) for c, v in read.items())
         return got
 
     def _put(self, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
@@ -378,8 +424,12 @@ class GroupWorker:
                 inst.load_state_dict(st)
 
     def has_instance_state(self) -> bool:
-        """Whether a worker class here keeps state beyond its op calls (a ``state_dict``)."""
-        return any(callable(getattr(inst, "state_dict", None)) for inst in self.invoker.instances.values())
+        """Whether a worker class here keeps state beyond its op calls: it has a ``state_dict``, and
+        its ``keeps_state()``, where it defines one, says so under this run's config (GRPO's advantage
+        keeps its KL controller only with the KL term in the reward)."""
+        return any(callable(getattr(inst, "state_dict", None))
+                   and (not callable(getattr(inst, "keeps_state", None)) or inst.keeps_state())
+                   for inst in self.invoker.instances.values())
 
     def ping(self) -> bool:
         return True

@@ -22,9 +22,14 @@ def test_the_actor_s_forward_passes_run_inside_generation_s_calls(ppo, grpo):
     # the critic's values (another group) and the update (a barrier that writes state) stay apart
     assert plan.op("values").fused_into is None and plan.op("update_actor").fused_into is None
     assert not plan.batches_calls("ref")  # never dispatched, so never batched
-    assert _fused(compile(grpo, ["actor.mini_batch_size=8"])) == {"ref": "generate"}  # old_logprob is left out
+    # old_logprob is left out; the advantage (per group) rides in the reward's calls of 64 rows = 8 groups
+    assert _fused(compile(grpo, ["actor.mini_batch_size=8"])) == {"ref": "generate", "advantage": "reward"}
     assert _fused(compile(grpo, ["actor.mini_batch_size=8", "trainer.reuse_forward=false"])) == {
-        "old_logprob": "generate", "ref": "generate"}
+        "old_logprob": "generate", "ref": "generate", "advantage": "reward"}
+    # a reward that may drop groups (on_error=drop_group) leads nothing: what it drops must reach the advantage
+    assert "advantage" not in _fused(compile(grpo, ["reward.on_error=drop_group"]))
+    # micro-batches of 12 rows cut the groups of 8: the advantage runs in calls of its own
+    assert "advantage" not in _fused(compile(grpo, ["reward.micro_batch_size=12"]))
     assert _fused(compile(ppo, ["trainer.fuse_ops=false"])) == {}
 
 
@@ -32,7 +37,8 @@ def test_a_rollout_group_of_its_own_fuses_nothing_into_generation():
     # asynchronous training: generate runs on 'rollout', ref and old_logprob on 'actor'
     pipeline, _ = load_pipeline("examples/grpo_async.py")
     plan = compile(pipeline)
-    assert plan.op("generate").group != plan.op("ref").group and _fused(plan) == {}
+    assert plan.op("generate").group != plan.op("ref").group
+    assert _fused(plan) == {"advantage": "reward"}  # only the reward's chain, as in examples/grpo.py
 
 
 def test_dynamic_sampling_s_rounds_are_not_fused():
@@ -95,14 +101,17 @@ class _Rows:
         return {"x": [torch.ones(2)] * batch_size}
 
 
-def _plan(*ops_):
+def _pipeline(*ops_):
     groups = [WorkerGroup("g", num_cpus=0.5), WorkerGroup("h", num_cpus=0.5)]
     used = {op_spec(o).group for o in ops_}
-    pipeline = Pipeline(name="fuse_rules", source=DataSource(columns={"x": T.float32(L)}, impl=_Rows),
-                        ops=list(ops_), groups=[g for g in groups if g.name in used], cluster=Cluster(cpus_per_node=8),
-                        config={"data": {"batch_size": 4}},
-                        outputs=[c for o in ops_ for c, t in op_spec(o).outputs.items() if t.kind == "data"])
-    return compile(pipeline)
+    return Pipeline(name="fuse_rules", source=DataSource(columns={"x": T.float32(L)}, impl=_Rows),
+                    ops=list(ops_), groups=[g for g in groups if g.name in used], cluster=Cluster(cpus_per_node=8),
+                    config={"data": {"batch_size": 4}},
+                    outputs=[c for o in ops_ for c, t in op_spec(o).outputs.items() if t.kind == "data"])
+
+
+def _plan(*ops_):
+    return compile(_pipeline(*ops_))
 
 
 def test_a_chain_of_one_group_fuses_and_chunks_follow_the_leader():
@@ -116,13 +125,56 @@ def test_a_leader_of_many_calls_that_feeds_another_pool_keeps_its_calls_back_to_
     assert _fused(_plan(a, b, c)) == {}
 
 
-@pytest.mark.parametrize("follower", [b_reads_c, b_per_group, b_reads_state])
+@pytest.mark.parametrize("follower", [b_reads_c, b_reads_state])
 def test_a_follower_that_needs_more_than_the_leader_s_rows_stays_apart(follower):
     ops_ = [a, c, follower] if follower is b_reads_c else [a, follower]
     extra = [upd] if follower is b_reads_state else []
     plan = _plan(*ops_, *extra)
-    # another group's column; whole groups after a leader of row chunks; state the leader does not read
+    # another group's column; state the leader does not read
     assert plan.op(op_spec(follower).name).fused_into is None
+
+
+@op(outputs={"a_out": T.float32(L)}, group="g", group_size_param="n")
+def a_sampled(x: T.float32(L), *, micro_batch_size: int = 4, n: int = 2):
+    return {"a_out": x}
+
+
+@pytest.mark.parametrize(("micro_batch", "n", "fused"), [(4, 2, True), (4, 4, True), (2, 4, False), (6, 4, False)])
+def test_a_per_group_follower_rides_in_a_per_sample_leader_only_on_whole_groups(micro_batch, n, fused):
+    # the reward (per sample) can carry the advantage (per group) when each micro-batch is whole groups
+    plan = compile(_pipeline(a_sampled, b_per_group), [f"a_sampled.micro_batch_size={micro_batch}", f"a_sampled.n={n}"])
+    assert (plan.op("b_per_group").fused_into == "a_sampled") is fused
+    if fused:  # and every follower chunk is one group inside one leader chunk
+        from rlgraph.runtime.scheduler import make_chunks
+
+        uids = [r // n for r in range(plan.batch.padded_batch)]
+        lead = make_chunks(plan.op("a_sampled"), uids)
+        inner = make_chunks(plan.op("b_per_group"), uids, within=lead)
+        assert all(len({uids[r] for r in c.rows}) == 1 and len(c.rows) == n for c in inner)
+
+
+@op(outputs={"e_out": T.float32(L)}, group="h")
+def e(x: T.float32(L)):
+    return {"e_out": x}
+
+
+@op(outputs={"a_out": T.float32(L)}, group="g")
+def a_reads_e(x: T.float32(L), e_out: T.float32(L), *, micro_batch_size: int = 2):
+    return {"a_out": x + e_out}
+
+
+@op(outputs={"b_out": T.float32(L)}, group="g")
+def b_reads_e(a_out: T.float32(L), e_out: T.float32(L)):
+    return {"b_out": a_out + e_out}
+
+
+def test_a_follower_may_read_what_its_leader_read_from_another_group():
+    # e_out comes from group h, but a_reads_e read it: it is ready when a's call starts
+    plan = _plan(e, a_reads_e, b_reads_e)
+    assert _fused(plan) == {"b_reads_e": "a_reads_e"}
+    from rlgraph.runtime.scheduler import _fused_this_step
+
+    assert _fused_this_step(plan, {o.name: False for o in plan.ops}, ()) == {"b_reads_e": "a_reads_e"}
 
 
 def test_a_column_read_only_inside_a_chain_never_leaves_the_worker():

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import rlgraph
 from rlgraph.graph.loader import load_pipeline
 from rlgraph.runtime.checkpoint import load_state
-from rlgraph.runtime.runner import RunOptions, run_plan
+from rlgraph.runtime.runner import Fault, RunOptions, run_plan
 
 pytestmark = pytest.mark.ray
 
@@ -51,6 +51,13 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     sync = run_plan(plan, RunOptions(out_dir=tmp_path / "sync", steps=2, schedule="sync", timeout_s=300),
                     plane=tq_plane)
     assert _stable(stream) == _stable(sync)
+    if example == "grpo":  # the advantage rides in the reward's calls; its worker killed inside it keeps no state:
+        assert plan.op("advantage").fused_into == "reward"  # one restart (not a restore of every worker), same run
+        killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=300,
+                                           faults=[Fault("advantage", step=1, chunk=0, kind="kill")]), plane=tq_plane)
+        assert [r["faults/restarts"] for r in killed] == [0, 1]
+        assert _stable(killed) == [{**r, "faults/retries": k["faults/retries"], "faults/restarts": k["faults/restarts"]}
+                                   for r, k in zip(_stable(stream), killed)]
     for rec in stream:
         losses = {k: v for k, v in rec.items() if k.endswith("_metrics/loss")}
         assert losses, sorted(rec)

@@ -237,7 +237,7 @@ def drops_declared(tokens: T.float32(R), *, ctx=None):
 def test_only_an_op_declared_to_drop_rows_may_drop_them():
     plan = _plan(drops_undeclared)
     assert plan.op("drops_undeclared").downstream == []
-    with pytest.raises(OpError, match=r"op 'drops_undeclared' called ctx.drop but is not declared to drop rows; "
+    with pytest.raises(OpError, match=r"op 'drops_undeclared' called ctx.drop but is not planned to drop rows; "
                                       r"declare it with drops=True"):
         Invoker(plan, "w", 0, 1).call(plan.op("drops_undeclared"), 0, 0, [0, 1], [False, False],
                                       {"tokens": [torch.ones(1), torch.ones(1)]})

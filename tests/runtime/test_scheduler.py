@@ -268,7 +268,9 @@ def test_unfinished_names_missing_columns():
 
 
 def test_dropped_rows_are_padding_only_downstream_of_the_dropping_op():
-    plan = _plan("ppo", "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=2", "critic.mini_batch_size=2")
+    plan = _plan("ppo", "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=2", "critic.mini_batch_size=2",
+                 "reward.on_error=drop_group")
+    assert plan.op("reward").drops and not _plan("ppo").op("reward").drops  # only drop_group drops rows
     sched = _sched(plan, 2, 2)
     sched.drop(1, "reward_error", "reward", whole_group=True)  # rows 0 and 1 share a prompt
     assert sched.dropped == {0: ("reward_error", "reward"), 1: ("reward_error", "reward")}

@@ -99,13 +99,21 @@ def test_a_streaming_call_that_fails_after_a_part_is_run_again(tq_plane, tmp_pat
 def test_an_op_fused_into_a_streaming_call_runs_inside_it_and_changes_no_result(tq_plane, tmp_path):
     plan = _plan()
     assert plan.op("lp").fused_into == "gen" and plan.followers("gen") == ["lp"]
+    # adv (per group) rides in score's calls (per sample, 2 rows = one group of n=2), reading gen's mask
+    # with score's get and the source's uid
+    assert plan.op("adv").fused_into == "score" and plan.followers("score") == ["adv"]
     unfused = _plan("trainer.fuse_ops=false")
-    assert unfused.op("lp").fused_into is None
+    assert unfused.op("lp").fused_into is None and unfused.op("adv").fused_into is None
     fused = run_plan(plan, RunOptions(out_dir=tmp_path / "fused", steps=2, timeout_s=120), plane=tq_plane)
     sync = run_plan(plan, RunOptions(out_dir=tmp_path / "sync", steps=2, schedule="sync", timeout_s=120),
                     plane=tq_plane)
     alone = run_plan(unfused, RunOptions(out_dir=tmp_path / "alone", steps=2, timeout_s=120), plane=tq_plane)
-    assert _stable(fused) == _stable(sync) == _stable(alone)
+    assert _stable(fused) == _stable(sync)
+    # unfused, the same results; only the data plane carries more (adv's get of the scores and mask)
+    moved = "dataplane/local_bytes"
+    assert [{k: v for k, v in r.items() if k != moved} for r in _stable(fused)] == \
+        [{k: v for k, v in r.items() if k != moved} for r in _stable(alone)]
+    assert all(f[moved] < a[moved] for f, a in zip(fused, alone))
     # 12 rows in chunks of 5: three lp metric records per step, in both runs
     assert [r["lp/lp_metrics/rows"] for r in fused] == [12 / 3] * 2 and fused[1]["lp/lp_metrics/chunk"] == 1
     for step in (0, 1):
@@ -132,3 +140,9 @@ def test_a_failure_inside_a_fused_op_runs_the_fused_call_again(tq_plane, tmp_pat
                                        faults=[Fault("lp", step=1, chunk=1, kind="kill")]), plane=tq_plane)
     assert killed[1]["faults/restarts"] >= 1
     _same_after_a_restore(killed, clean)
+    # the reward worker (no state) killed inside adv, fused into score's call: restarted, the call run again
+    dead = run_plan(plan, RunOptions(out_dir=tmp_path / "dead_adv", steps=2, timeout_s=120,
+                                     faults=[Fault("adv", step=1, chunk=0, kind="kill")]), plane=tq_plane)
+    assert [r["faults/restarts"] for r in dead] == [0, 1]  # its group alone, no restore
+    assert _stable(dead) == [{**r, "faults/retries": dead[i]["faults/retries"],
+                              "faults/restarts": dead[i]["faults/restarts"]} for i, r in enumerate(_stable(clean))]

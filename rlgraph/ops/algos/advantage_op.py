@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from rlgraph.ops.algos import AdaptiveKLController, FixedKLController, apply_kl_penalty, compute_advantage
+from rlgraph.ops.settings import AlgorithmSettings
 
 __all__ = ["AdvantageWorker"]
 
@@ -22,6 +23,12 @@ class AdvantageWorker:
         self.kl_ctrl: Any = None
         self.last_step = -1
         self.step_kl: list[float] = []
+        self.kl_in_reward = bool(AlgorithmSettings.value(ctx, "use_kl_in_reward"))
+
+    def keeps_state(self) -> bool:
+        """Only the KL controller (``algorithm.use_kl_in_reward``) carries anything from step to step;
+        without it a worker that died loses nothing, and its calls simply run again."""
+        return self.kl_in_reward
 
     def _controller(self, kl_ctrl: str, kl_coef: float, kl_target: float, kl_horizon: int) -> Any:
         if self.kl_ctrl is None:

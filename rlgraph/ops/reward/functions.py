@@ -123,7 +123,7 @@ def _sig(fn: Callable, sig: inspect.Signature) -> str:
 
 
 def _as_float(value: Any, where: str) -> float:
-    if isinstance(value, numbers.Real):
+    if type(value) in (float, int, bool) or isinstance(value, numbers.Real):  # the ABC check is slow: builtins first
         out = float(value)
     elif hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:  # a one-element tensor
         out = float(value.item())

@@ -71,7 +71,8 @@ class RewardWorker:
         rows = len(lengths)
         real = [i for i in range(rows) if not ctx.is_padding[i]]
         tok = self._tokenizer(tokenizer)
-        texts = [tok.decode(responses[i, :lengths[i]].tolist(), skip_special_tokens=True) for i in real]
+        ids = responses.tolist()  # one conversion, then one batched decode (not a call per row)
+        texts = tok.batch_decode([ids[i][:lengths[i]] for i in real], skip_special_tokens=True) if real else []
         outcomes = scorer.score([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
                                 [extra_info[i] for i in real])
         failed = [(i, o) for i, o in zip(real, outcomes) if o.error is not None]

@@ -299,3 +299,14 @@ def test_a_whole_batch_estimator_reports_one_metrics_record():
                                             is_padding=(), chunks=(b,)))
     flat = flatten_metrics("advantage", {"advantage_metrics": out["advantage_metrics"]})
     assert {"advantage/advantage_metrics/advantages/mean", "advantage/advantage_metrics/returns/mean"} <= set(flat)
+
+
+def test_the_advantage_worker_keeps_state_only_with_the_kl_term_in_the_reward():
+    # without the KL controller a dead advantage worker loses nothing: its group is restarted and its
+    # calls run again, instead of restoring every worker from a checkpoint (GroupWorker.has_instance_state)
+    from rlgraph.ops.algos.advantage_op import AdvantageWorker
+
+    plain, with_kl = AdvantageWorker(), AdvantageWorker()
+    plain.setup(None)
+    with_kl.setup({"algorithm": {"use_kl_in_reward": True}})
+    assert not plain.keeps_state() and with_kl.keeps_state()

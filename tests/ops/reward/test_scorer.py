@@ -34,6 +34,40 @@ def test_thread_timeout_counts_from_each_sample_start():
     assert s.abandoned_threads == 4
 
 
+def test_a_fast_function_s_samples_go_to_a_thread_in_runs_and_a_stall_in_a_run_costs_only_itself():
+    s = RewardScorer(f"{FNS}:stall_on_odd", executor="thread", concurrency=4, timeout_s=0.3)
+    evens = [str(2 * i) for i in range(64)]
+    assert all(o.score == 1.0 for o in _score(s, evens)) and 0 < s.sample_s < 5e-4  # measured: fast
+    runs = []
+
+    class Counted:  # the pool's queue, counting the samples of each run a thread takes
+        def __init__(self, q):
+            self.q = q
+
+        def put(self, task):
+            self.q.put(task)
+
+        def get(self):
+            task = self.q.get()
+            if task is not None:
+                runs.append(len(task[1]))
+            return task
+
+    from rlgraph.ops.reward.scorer import _ThreadPool
+
+    s.close()
+    s._threads = _ThreadPool(s.fn, s.concurrency)  # fresh threads, started on the counted queue
+    s._threads.tasks = Counted(s._threads.tasks)
+    gts = ["0", "2", "1", "4", "6", "8"]  # runs of 2 (6 samples, 4 threads); the third stalls, before the fourth
+    t0 = time.monotonic()
+    out = _score(s, gts)
+    assert time.monotonic() - t0 < 2.0
+    assert [o.timed_out for o in out] == [False, False, True, False, False, False]
+    assert [o.score for o in out if not o.timed_out] == [1.0] * 5  # the run's rest went to another thread
+    assert runs == [2, 2, 2, 1] and s.abandoned_threads == 1
+    assert s.sample_s is None  # it stalled: the next call hands samples out one at a time again
+
+
 def test_errors_are_per_sample():
     s = RewardScorer(f"{FNS}:raise_on_odd", concurrency=3)
     out = _score(s)

@@ -53,7 +53,9 @@ def test_the_actor_keeps_what_its_own_ops_read_and_shares_what_others_read():
     assert private == {"input_ids", "attention_mask", "position_ids", "ref_log_prob", "policy_version",
                        "policy_version_end"}
     assert "responses" not in private and "response_mask" not in private  # reward and advantage read them
-    assert local_columns(_grpo(), "reward") == (frozenset(), frozenset())  # advantage, its reader, is elsewhere
+    # the advantage reads the scores on the reward's worker (fused into its calls): kept there, and still
+    # shared, since the step's summaries (score/mean) and validation read them
+    assert local_columns(_grpo(), "reward") == (frozenset({"token_level_scores"}), frozenset())
 
 
 @pytest.mark.parametrize("overrides", [["groups.actor.dp=2", "data.batch_size=16"]])
