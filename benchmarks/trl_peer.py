@@ -20,15 +20,17 @@ when the update makes one optimizer step per step). Not matched exactly (what ea
 - the prompts' order: each shuffles the same 1,024 generated rows with its own sampler;
 - threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor has
   the torch threads of its worker group's CPUs (1 in the example: with two, on these two cores
-  shared with the reward and advantage workers and the data plane, its step was slower);
-- processes: rlgraph runs the actor, the reward and advantage workers, the data source and
-  TransferQueue's controller and storage unit as processes of their own; TRL is one process.
+  shared with the reward worker and the data plane, its step was slower);
+- processes: rlgraph runs the actor, the reward worker (which runs the advantage in the reward's
+  calls), the data source and TransferQueue's controller and storage unit as processes of their
+  own; TRL is one process.
 
 "TRL, 1 thread" is TRL again with one torch thread (``OMP_NUM_THREADS=1``), the threads rlgraph's
 actor computes with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
 is against TRL with its default threads. "rlgraph, unfused" is the synchronous example with
-``trainer.fuse_ops=false``: the reference pass dispatched as a call of its own instead of riding
-in generation's call on the actor (issue 25, item 2: the hand-off that fusing removes).
+``trainer.fuse_ops=false``: the reference pass and the advantage dispatched as calls of their own
+instead of riding in generation's call on the actor and in the reward's call (issue 25, item 2:
+the hand-offs that fusing removes).
 
 The second table splits each step into its phases, in the same runs (issue 25, item 7): for
 rlgraph, each op's busy time per step from its metrics (and the part of it spent reading and
