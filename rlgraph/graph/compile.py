@@ -54,7 +54,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
     ]
     ops = []
     for o in g.pipeline.ops:
-        connected = g.connected(o)
+        connected, drops = g.connected(o), g.drops(o)
         ops.append(OpPlan(
             name=o.name,
             impl=o.impl,
@@ -70,11 +70,11 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
             stage=stage_of.get(o.name, 0),
             concurrent_with=concurrent[o.name],
             skip_before_step=gated(g, o),
-            drops=g.drops(o),
+            drops=drops,
             lag=staleness(g, o),
             streams=o.streams,
             vectorised=o.vectorised,
-            downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if g.drops(o) else [],
+            downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if drops else [],
             runtime_params=list(o.runtime_params),
             batching=op_batching(g, o, batch_plan),
             cost=o.cost,

@@ -168,9 +168,11 @@ class GroupWorker:
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
         self.local = LocalColumns()
         self.kept, self.private = local_columns(self.plan, group)
-        # during a call with fused ops: the columns its ops read from the plane, for its rows (one get)
+        # during a call with fused ops: the columns its ops read from the plane, for its rows (one get),
+        # kept for its followers where one reads them (`_wanted`)
         self._call_inputs: dict[str, Any] | None = None
         self._prefetch: list[str] = []
+        self._wanted: frozenset[str] = frozenset()
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
 
@@ -211,23 +213,31 @@ class GroupWorker:
         after it, in order, and their results come in `CallResult.fused`."""
         rows = tuple(rows)
         self._learn(partition, rows, addresses)
-        self._call_inputs, self._prefetch = ({}, self._chain_reads(op_name, fused)) if fused else (None, [])
+        self._begin_call(op_name, fused)
         try:
             result = self._run(op_name, step, partition, chunks, rows, uids, is_padding, batch_inputs, salt)
             result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
         finally:
-            self._call_inputs, self._prefetch = None, []
+            self._end_call()
         return result
 
-    def _chain_reads(self, leader: str, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> list[str]:
-        """The per-sample columns the ops fused into `leader`'s call read from the data plane, but
-        the leader does not: got with the leader's inputs, in one get (the chain's own outputs are
-        in this worker's memory)."""
-        names = [leader, *(name for name, _ in fused)]
-        made = {c for n in names for c in self.plan.op(n).outputs}
+    def _begin_call(self, leader: str, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
+        """Before a call of `leader` with the ops `fused` into it: the per-sample columns the
+        followers read that the chain does not write, and of those the ones the leader does not read
+        (got with the leader's inputs, in one get; the chain's own outputs are in this worker's memory)."""
+        if not fused:
+            self._end_call()
+            return
+        names = [name for name, _ in fused]
+        made = {c for n in (leader, *names) for c in self.plan.op(n).outputs}
+        wanted = [c for n in names for c in self.plan.op(n).inputs
+                  if c not in made and self.plan.columns[c].level == "sample"]
         own = set(self.plan.op(leader).inputs)
-        return list(dict.fromkeys(c for n in names[1:] for c in self.plan.op(n).inputs
-                                  if c not in made and c not in own and self.plan.columns[c].level == "sample"))
+        self._call_inputs, self._wanted = {}, frozenset(wanted)
+        self._prefetch = list(dict.fromkeys(c for c in wanted if c not in own))
+
+    def _end_call(self) -> None:
+        self._call_inputs, self._prefetch, self._wanted = None, [], frozenset()
 
     def _run(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
              rows: tuple[int, ...], uids: Sequence[int], is_padding: Sequence[bool],
@@ -291,7 +301,7 @@ class GroupWorker:
             yield from self._stream(op_name, step, partition, chunk, rows, uids, is_padding, batch_inputs, salt,
                                     addresses, fused)
         finally:  # failed, or closed early: the call's reads go with it
-            self._call_inputs, self._prefetch = None, []
+            self._end_call()
 
     def _stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                 uids: Sequence[int], is_padding: Sequence[bool], batch_inputs: dict[str, Any] | None, salt: int,
@@ -300,7 +310,7 @@ class GroupWorker:
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         self._learn(partition, rows, addresses)
         moved = locality_bytes_in_this_process()
-        self._call_inputs, self._prefetch = ({}, self._chain_reads(op_name, fused)) if fused else (None, [])
+        self._begin_call(op_name, fused)
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk)
             io_s = time.time() - start
@@ -365,8 +375,8 @@ class GroupWorker:
         if rest or extra:
             read = self.client.get(partition, rows, rest + extra)
             got.update((c, read[c]) for c in rest)
-            if cache is not None:  # copied before this op's body runs: what it changes in place stays its own
-                cache.update((c, _private_copy(v) if c in rest else v) for c, v in read.items())
+            if cache is not None:  # what a follower reads, copied before this op's body runs (its changes stay its own)
+                cache.update((c, _private_copy(v) if c in rest else v) for c, v in read.items() if c in self._wanted)
         return got
 
     def _put(self, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
