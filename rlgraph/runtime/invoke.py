@@ -212,7 +212,13 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
         width = value.shape[axis + 1]
         if len(lens) == value.shape[0] and min(lens, default=width) >= width:  # every row is whole: stays dense
             return value
-        return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens, strict=True)]
+        if len(lens) != value.shape[0]:
+            raise OpError(f"op {op.name!r}: output {name!r} has {value.shape[0]} rows, but the call's inputs give "
+                          f"{len(lens)} row lengths for {ragged[0][1]!r}")
+        if value.dim() == 2:  # token rows: the real tokens in one masked copy, cut into rows (no narrow per row)
+            kept = torch.tensor(lens).clamp(max=width)
+            return list(value[torch.arange(width) < kept.unsqueeze(1)].split(kept.tolist()))
+        return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens)]
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
     if all(type(v) is torch.Tensor and v.dtype is dtype for v in value):  # as they are (what the line below gives)
