@@ -19,14 +19,15 @@ forward in both (TRL: `num_iterations=1`; rlgraph's compiler leaves the old_logp
 when the update makes one optimizer step per step). Not matched exactly (what each does):
 - the prompts' order: each shuffles the same 1,024 generated rows with its own sampler;
 - threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor has
-  the torch threads of its worker group's CPUs (1 in the example: with two, on these two cores
-  shared with the reward worker and the data plane, its step was slower);
+  the torch threads of its worker group's CPUs (1 in the example: with two for every op, on these
+  two cores shared with the reward worker and the data plane, its step was slower), and 2 in the
+  update, which runs alone (the reward group's CPU is idle meanwhile: `describe` shows it);
 - processes: rlgraph runs the actor, the reward worker (which runs the advantage in the reward's
   calls), the data source and TransferQueue's controller and storage unit as processes of their
   own; TRL is one process.
 
 "TRL, 1 thread" is TRL again with one torch thread (``OMP_NUM_THREADS=1``), the threads rlgraph's
-actor computes with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
+actor generates with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
 is against TRL with its default threads. "rlgraph, unfused" is the synchronous example with
 ``trainer.fuse_ops=false``: the reference pass and the advantage dispatched as calls of their own
 instead of riding in generation's call on the actor and in the reward's call (issue 25, item 2:

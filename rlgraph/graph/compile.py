@@ -18,7 +18,7 @@ from rlgraph.graph.check import check
 from rlgraph.graph.config import nest
 from rlgraph.graph.dsl import Pipeline
 from rlgraph.graph.fuse import fused_leaders
-from rlgraph.graph.place import place
+from rlgraph.graph.place import lent_threads, place
 from rlgraph.graph.plan import ColumnPlan, EdgePlan, OpPlan, Plan, RefillPlan, ValidationPlan
 from rlgraph.graph.prune import prune
 from rlgraph.graph.reuse import reused_forwards
@@ -84,6 +84,9 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
     fused = fused_leaders(ops, columns, g.pipeline.source.all_columns(), {gp.name: gp.pool for gp in groups},
                           refill.round_ops if refill else (), TrainerSettings.of(g.config).fuse_ops, batch_plan.n)
     ops = [o.model_copy(update={"fused_into": fused[o.name]}) if o.name in fused else o for o in ops]
+    lent = lent_threads(ops, groups, pools, TrainerSettings.of(g.config).max_staleness,
+                        fixed={gr.name for gr in g.groups if gr.torch_threads})
+    ops = [o.model_copy(update={"torch_threads": lent[o.name]}) if o.name in lent else o for o in ops]
     return Plan(
         rlgraph_version=__version__,
         pipeline=g.pipeline.name,

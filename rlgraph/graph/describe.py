@@ -126,7 +126,10 @@ def groups_table(plan: Plan) -> Table:
     for g in plan.groups:
         mine = [b.node for b in bundles.get(g.pool, [])[: g.dp]]
         others = [x for x in sharing.get(g.pool, []) if x != g.name]
-        _row(t, g.name, g.dp, f"{g.num_cpus:g}", f"{g.num_gpus:g}", g.torch_threads, g.pool, placement.get(g.pool, "pack"),
+        # an op that runs alone on its node computes on the idle groups' CPUs too (`place.lent_threads`)
+        lent = [f"{o.name}: {o.torch_threads}" for o in plan.ops if o.group == g.name and o.torch_threads]
+        threads = f"{g.torch_threads}" + (f" ({', '.join(lent)}, with idle groups' CPUs)" if lent else "")
+        _row(t, g.name, g.dp, f"{g.num_cpus:g}", f"{g.num_gpus:g}", threads, g.pool, placement.get(g.pool, "pack"),
              ", ".join(others) or "-",
              _nodes(mine), ", ".join(g.ops))
     return t

@@ -6,6 +6,13 @@ per-worker demand among its groups. Bundles go onto nodes by the one packing rul
 (`rlgraph.graph.packing`: first-fit, largest first, after the data plane's reservation), which
 the run's resource check applies to the real cluster too. The built graph packs once
 (``BuiltGraph.packing``); the check pass and this pass read the result.
+
+**Lent CPUs** (`lent_threads`): a worker computes with its group's torch threads (its bundle's
+CPUs). An op during which no op of another group can run leaves the other groups' bundles on its
+node idle: a barrier op that does not stream, with nothing in its ``concurrent_with``, in a plan
+with ``trainer.max_staleness=0`` (one step in flight, so no later step's op overlaps it either;
+the update in PPO and GRPO). Its workers then compute with those CPUs too, shared among the
+op's ranks on the node. A group whose ``torch_threads`` is set keeps exactly that.
 """
 
 from __future__ import annotations
@@ -13,9 +20,9 @@ from __future__ import annotations
 from rlgraph.errors import Problem
 from rlgraph.graph.build import BuiltGraph
 from rlgraph.graph.packing import dataplane_cpus, pool_placement
-from rlgraph.graph.plan import BundlePlan, ClusterPlan, GroupPlan, PoolPlan
+from rlgraph.graph.plan import BundlePlan, ClusterPlan, GroupPlan, OpPlan, PoolPlan
 
-__all__ = ["place", "resource_problems"]
+__all__ = ["lent_threads", "place", "resource_problems"]
 
 _EPS = 1e-9
 
@@ -103,3 +110,30 @@ def place(g: BuiltGraph) -> tuple[list[GroupPlan], list[PoolPlan], ClusterPlan]:
         required_gpus=sum(b.num_gpus for p in pool_plans for b in p.bundles),
     )
     return group_plans, pool_plans, cluster
+
+
+def lent_threads(ops: list[OpPlan], groups: list[GroupPlan], pools: list[PoolPlan], max_staleness: int,
+                 fixed: set[str]) -> dict[str, int]:
+    """Per op that runs alone on its node(s) (the module doc's Lent CPUs), the torch threads its
+    workers compute with: their group's plus, per rank, an equal share of the CPUs of the other
+    bundles on its node, taken at the node where that share is smallest. `fixed`: groups whose
+    torch_threads the user set (they keep them). Ops not listed keep their group's threads."""
+    if max_staleness:
+        return {}
+    group = {g.name: g for g in groups}
+    pool_of = {p.name: p for p in pools}
+    out: dict[str, int] = {}
+    for o in ops:
+        g = group.get(o.group)
+        if (g is None or g.name in fixed or o.mode != "barrier" or o.streams or o.concurrent_with
+                or o.fused_into):
+            continue
+        mine = pool_of[g.pool].bundles[:g.dp]
+        used = {(g.pool, b.index) for b in mine}
+        extra = min(
+            int(sum(b.num_cpus for p in pools for b in p.bundles if b.node == node and (p.name, b.index) not in used)
+                // sum(1 for b in mine if b.node == node))
+            for node in {b.node for b in mine})
+        if extra >= 1:
+            out[o.name] = g.torch_threads + extra
+    return out

@@ -125,6 +125,9 @@ class OpPlan(_Frozen):
         "size (ctx.group_size) and setup-time params (read by the worker class's setup); the body receives them "
         "as keywords only if it names them")
     batching: OpBatching
+    torch_threads: int = Field(0, description="torch threads its workers compute with while it runs (0: their "
+                               "group's); more than the group's when it runs alone on its node and may use the "
+                               "CPUs of the groups idle meanwhile (pass 6, `rlgraph.graph.place.lent_threads`)")
     cost: float = 1.0
     doc: str = ""
 

@@ -278,14 +278,16 @@ class GroupWorker:
         calls = ([(chunks[0][0], len(rows), tuple(n for _, n in chunks))] if op.vectorised
                  else [(index, n, ()) for index, n in chunks])
         at = 0
-        for index, n, sizes in calls:
-            sub = rows[at:at + n]
-            with self._failures(op_name, step, index, sub, uids[at:at + n]):
-                outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
-                                              _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt, sizes))
-            dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
-            events += self.invoker.last_events
-            at += n
+        with self._threads(op):
+            for index, n, sizes in calls:
+                sub = rows[at:at + n]
+                with self._failures(op_name, step, index, sub, uids[at:at + n]):
+                    outs.append(self.invoker.call(op, step, index, sub, is_padding[at:at + n],
+                                                  _slice_rows(inputs, at, at + n, len(rows)), batch_inputs, salt,
+                                                  sizes))
+                dropped.update({at + i: why for i, why in self.invoker.last_dropped.items()})
+                events += self.invoker.last_events
+                at += n
         out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
         with self._failures(op_name, step, chunks[0][0], rows, uids):  # before the put: a bad list writes nothing
             metrics = _chunk_metrics(self.plan, op, outs, len(chunks))
@@ -364,6 +366,19 @@ class GroupWorker:
         )
         result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
         yield result
+
+    @contextmanager
+    def _threads(self, op: Any) -> Iterator[None]:
+        """While `op`'s body runs: the torch threads the plan gives it, when more than the group's (it
+        runs alone on its node: `rlgraph.graph.place.lent_threads`), capped at this process's cores."""
+        if op.torch_threads <= self.torch_threads:
+            yield
+            return
+        torch_threads(op.torch_threads)
+        try:
+            yield
+        finally:
+            torch_threads(self.torch_threads)
 
     @contextmanager
     def _failures(self, op_name: str, step: int, chunk: int, rows: tuple[int, ...], uids: Sequence[int]):

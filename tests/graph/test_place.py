@@ -170,3 +170,55 @@ def test_a_worker_sets_its_torch_threads_capped_at_its_cores(ppo, monkeypatch) -
         assert torch_threads(8) == 2 and torch.get_num_threads() == 2  # two cores to use
     finally:
         torch.set_num_threads(before)
+
+
+def _lent(plan) -> dict[str, int]:
+    return {o.name: o.torch_threads for o in plan.ops if o.torch_threads}
+
+
+def test_an_op_that_runs_alone_on_its_node_computes_on_the_idle_groups_cpus(grpo, ppo) -> None:
+    plan = compile_pipeline(grpo)
+    groups = {g.name: g for g in plan.groups}
+    assert set(groups) == {"actor", "reward"} and groups["actor"].torch_threads == 1
+    # the update is a barrier with nothing concurrent: the reward group's CPU is idle meanwhile
+    assert _lent(plan) == {"update_actor": 2}
+    # a user's threads are kept
+    assert _lent(compile_pipeline(grpo, ["groups.actor.torch_threads=1"])) == {}
+    # with a step in flight ahead (grpo_async's rollout group), the next step's rollout and reward may
+    # run during the update; on-policy, the same graph lends the update both idle groups' CPUs
+    from rlgraph.graph.loader import load_pipeline
+
+    from .conftest import REPO
+
+    asynchronous = load_pipeline(str(REPO / "examples" / "grpo_async.py"))[0]
+    assert _lent(compile_pipeline(asynchronous)) == {}
+    assert _lent(compile_pipeline(asynchronous, ["trainer.max_staleness=0"])) == {"update_actor": 3}
+    # the idle CPUs are shared by the op's ranks on the node: 1 CPU over 2 ranks lends none, 3 lend 1 each
+    assert _lent(compile_pipeline(grpo, ["groups.actor.dp=2"])) == {}
+    assert _lent(compile_pipeline(grpo, ["groups.actor.dp=2", "groups.reward.num_cpus=3"])) == {"update_actor": 2}
+    # PPO: the two updates overlap each other, so neither borrows; GAE's advantage runs alone
+    assert _lent(compile_pipeline(ppo)) == {"advantage": 4}
+
+
+def test_a_worker_computes_an_op_with_its_lent_threads_and_goes_back_after(monkeypatch) -> None:
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlgraph.runtime.worker import GroupWorker, torch_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    worker = SimpleNamespace(torch_threads=torch_threads(1))
+    try:
+        with GroupWorker._threads(worker, SimpleNamespace(torch_threads=4)):
+            assert torch.get_num_threads() == 2  # capped at the process's cores
+        assert torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError), GroupWorker._threads(worker, SimpleNamespace(torch_threads=2)):
+            raise RuntimeError("the body failed")
+        assert torch.get_num_threads() == 1  # also after a failure
+        with GroupWorker._threads(worker, SimpleNamespace(torch_threads=0)):  # the group's own
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
