@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Iterable, Mapping
 
+import networkx as nx
+
 from rlgraph.graph.batching import batch, gated, op_batching
 from rlgraph.graph.build import BuiltGraph, build
 from rlgraph.graph.check import check
@@ -84,8 +86,11 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
     fused = fused_leaders(ops, columns, g.pipeline.source.all_columns(), {gp.name: gp.pool for gp in groups},
                           refill.round_ops if refill else (), TrainerSettings.of(g.config).fuse_ops, batch_plan.n)
     ops = [o.model_copy(update={"fused_into": fused[o.name]}) if o.name in fused else o for o in ops]
-    lent = lent_threads(ops, groups, pools, TrainerSettings.of(g.config).max_staleness,
-                        fixed={gr.name for gr in g.groups if gr.torch_threads})
+    waits = {o.name: set().union(*({r, *nx.descendants(g.dag, r)} for r in
+                                   {x.name for x in ops if set(x.state_inputs) & set(o.outputs)}))
+             for o in ops}
+    lent = lent_threads(ops, groups, pools, TrainerSettings.of(g.config).max_staleness, cluster.num_nodes,
+                        fixed={gr.name for gr in g.groups if gr.torch_threads}, waits=waits)
     ops = [o.model_copy(update={"torch_threads": lent[o.name]}) if o.name in lent else o for o in ops]
     return Plan(
         rlgraph_version=__version__,

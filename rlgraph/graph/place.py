@@ -11,8 +11,10 @@ the run's resource check applies to the real cluster too. The built graph packs 
 CPUs). An op during which no op of another group can run leaves the other groups' bundles on its
 node idle: a barrier op that does not stream, with nothing in its ``concurrent_with``, in a plan
 with ``trainer.max_staleness=0`` (one step in flight, so no later step's op overlaps it either;
-the update in PPO and GRPO). Its workers then compute with those CPUs too, shared among the
-op's ranks on the node. A group whose ``torch_threads`` is set keeps exactly that.
+the update in PPO and GRPO), on a one-node plan, when every op of the other pools waits for it
+at the next step (they read a state column it writes, or follow one that does: the next step is
+admitted while this one runs). Its workers then compute with the other pools' CPUs too, shared
+among its ranks. A group whose ``torch_threads`` is set keeps exactly that.
 """
 
 from __future__ import annotations
@@ -113,12 +115,16 @@ def place(g: BuiltGraph) -> tuple[list[GroupPlan], list[PoolPlan], ClusterPlan]:
 
 
 def lent_threads(ops: list[OpPlan], groups: list[GroupPlan], pools: list[PoolPlan], max_staleness: int,
-                 fixed: set[str]) -> dict[str, int]:
-    """Per op that runs alone on its node(s) (the module doc's Lent CPUs), the torch threads its
+                 num_nodes: int, fixed: set[str], waits: dict[str, set[str]]) -> dict[str, int]:
+    """Per op that runs alone on its node (the module doc's Lent CPUs), the torch threads its
     workers compute with: their group's plus, per rank, an equal share of the CPUs of the other
-    bundles on its node, taken at the node where that share is smallest. `fixed`: groups whose
-    torch_threads the user set (they keep them). Ops not listed keep their group's threads."""
-    if max_staleness:
+    pools' bundles on the node. `fixed`: groups whose torch_threads the user set (they keep them).
+    `waits`: per op, the ops that cannot start at the next step before it finished (they read a
+    state column it writes, or follow one that does); every op of a lending group must be among
+    them, since with one step in flight the next step is admitted already. Only on one node (a
+    cluster's placement of pools onto nodes is Ray's, best effort). Ops not listed keep their
+    group's threads."""
+    if max_staleness or num_nodes != 1:
         return {}
     group = {g.name: g for g in groups}
     pool_of = {p.name: p for p in pools}
@@ -128,12 +134,12 @@ def lent_threads(ops: list[OpPlan], groups: list[GroupPlan], pools: list[PoolPla
         if (g is None or g.name in fixed or o.mode != "barrier" or o.streams or o.concurrent_with
                 or o.fused_into):
             continue
-        mine = pool_of[g.pool].bundles[:g.dp]
-        used = {(g.pool, b.index) for b in mine}
-        extra = min(
-            int(sum(b.num_cpus for p in pools for b in p.bundles if b.node == node and (p.name, b.index) not in used)
-                // sum(1 for b in mine if b.node == node))
-            for node in {b.node for b in mine})
+        others = [p for p in pools if p.name != g.pool]  # a pool of its own: colocated groups may use the rest
+        if any(x.name not in waits.get(o.name, set()) for x in ops
+               if any(x.group in p.groups for p in others)):
+            continue
+        ranks = len(pool_of[g.pool].bundles[:g.dp])
+        extra = int(sum(b.num_cpus for p in others for b in p.bundles) // ranks)
         if extra >= 1:
             out[o.name] = g.torch_threads + extra
     return out
