@@ -10,8 +10,7 @@ the run's resource check applies to the real cluster too. The built graph packs 
 **Lent CPUs** (`lent_threads`): a worker computes with its group's torch threads (its bundle's
 CPUs). An op during which no op of another group can run leaves the other groups' bundles on its
 node idle: a barrier op that does not stream, with nothing in its ``concurrent_with``, in a plan
-with ``trainer.max_staleness=0`` (one step in flight, so no later step's op overlaps it either;
-the update in PPO and GRPO), on a one-node plan, when every op of the other pools waits for it
+with ``trainer.max_staleness=0`` (the update in GRPO), on a one-node plan, when every op of the other pools waits for it
 at the next step (they read a state column it writes, or follow one that does: the next step is
 admitted while this one runs). Its workers then compute with the other pools' CPUs too, shared
 among its ranks. A group whose ``torch_threads`` is set keeps exactly that.

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import copy
 import os
-from collections import Counter
 import time
 import traceback
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
