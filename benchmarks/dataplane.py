@@ -135,7 +135,9 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in planes}
             for _ in range(3):  # the backends alternate, so that the machine's noise falls on all of them
                 for name, plane in planes.items():
-                    times[name].append(time_plane(plane, col, rows, max(1, repeats // 2)))
+                    # small columns take a few ms a round: more rounds for a steadier median of the fixed cost
+                    rounds = max(1, repeats // 2) if b >= 1_000_000 else 4 * repeats
+                    times[name].append(time_plane(plane, col, rows, rounds))
             cp = time_memcpy(col, repeats * 4)
             for name in planes:
                 put = statistics.median(x[0] for x in times[name])
@@ -157,7 +159,8 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
 Put then get of one float32 column for all rows of a fresh partition, from the benchmark's own
 process (a data-plane client like any worker; the planes' storage runs in Ray actors on the same
 machine). Dense: a `[rows, width]` tensor; ragged: one tensor per row, log-normal lengths with mean
-`width`. Median over the repeats after one warm-up round, the backends alternating; MB = 10^6
+`width`. Median over the repeats after one warm-up round (columns under 1 MB: {4 * repeats} rounds a turn,
+larger ones {max(1, repeats // 2)}), the backends taking turns three times; MB = 10^6
 bytes. memcpy: `copy_()` of the same tensor(s) into memory allocated beforehand (put and get
 columns show the same copy); "/ memcpy" is memcpy's time over the backend's. "memcpy into new
 memory" allocates the destination each time, holding the last copy while it makes the next, as
@@ -165,7 +168,8 @@ the get rows hold the last get: a get that returns new tensors must write fresh 
 this machine (a VM) the first touch of a page the allocator has not reused costs about 2.5 us, more
 than copying it.
 {SHARED}: the default on one node, where tensor columns of at least 64 KiB go through `/dev/shm`
-(`rlgraph.runtime.dataplane.shm`); {BYTES}: the same plane with that switched off
+(`rlgraph.runtime.dataplane.shm`): a put writes them into a segment, a get maps it (no copy; the
+time includes filling the mapping's page tables, about 1 ms for 16 MB here); {BYTES}: the same plane with that switched off
 (`dataplane.shared_memory=false`, and what several nodes get).
 """
     one = summary[min(k for k in summary if k[0] == "dense")][first]

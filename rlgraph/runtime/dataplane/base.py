@@ -184,10 +184,10 @@ def assemble_rows(values: Sequence[Any]) -> ColumnData:
 
 
 def _check_rows(partition: str, rows: Sequence[int]) -> tuple[int, ...]:
-    rows = tuple(int(r) for r in rows)
+    rows = tuple(map(int, rows))
     if len(set(rows)) != len(rows):
         raise DataPlaneError(f"partition {partition!r}: rows {list(rows)} contain duplicates")
-    if any(r < 0 for r in rows):
+    if rows and min(rows) < 0:
         raise DataPlaneError(f"partition {partition!r}: row ids must be >= 0, got {min(rows)}")
     return rows
 

@@ -9,9 +9,11 @@ torch's threads (``limit_pytorch_auto_parallel_threads``: ``psutil.cpu_count`` a
 
 `DirectUnit`, mixed into the unit's actor class (`guard.guarded_actor_class`), serves the ROUTER
 socket on one thread with TQ's own request handler (``_process_one_worker_request``), after the
-same client-identity check TQ's proxy makes, and without the thread cap. The protocol, the
-storage and the handlers are TQ's; only the hop is gone (and the unit's half-second sleep at
-start-up, which waited for the worker thread). ``RLGRAPH_TQ_DIRECT_UNIT=0`` (in the environment
+same client-identity check TQ's proxy makes, and without the thread cap. A request from an
+rlgraph client (`rlgraph.runtime.dataplane.wire`) is decoded without TQ's walk over every value
+looking for TensorDicts (`wire.decode`; others' requests are walked as TQ walks them). The
+protocol, the storage and the handlers are TQ's; only the hop is gone (and the unit's half-second
+sleep at start-up, which waited for the worker thread). ``RLGRAPH_TQ_DIRECT_UNIT=0`` (in the environment
 Ray's processes start with) keeps TQ's proxy and worker threads, for side-by-side measurement.
 """
 
@@ -33,6 +35,26 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def _no_thread_cap(*_: Any, **__: Any) -> Iterator[None]:
     yield
+
+
+def _message_class(base: Any) -> Any:
+    """TQ's message class, reading rlgraph clients' requests without the TensorDict walk."""
+    from rlgraph.runtime.dataplane import wire
+
+    if getattr(base, "_rlgraph_plain", False):
+        return base
+
+    def ours(sender: str) -> bool:
+        return isinstance(sender, str) and sender.endswith(wire.SUFFIX)
+
+    class Message(base):  # type: ignore[misc, valid-type]
+        _rlgraph_plain = True
+
+        @classmethod
+        def deserialize(cls, frames: list[Any]) -> Any:
+            return wire.decode(frames, ours)
+
+    return Message
 
 
 class _Received:
@@ -67,6 +89,9 @@ class DirectUnit:
         for handler in ("_handle_put", "_handle_get", "_handle_clear"):
             fn = inspect.unwrap(getattr(type(self), handler))  # under Ray's tracing wrappers
             fn.__globals__["limit_pytorch_auto_parallel_threads"] = _no_thread_cap
+        serve = inspect.unwrap(getattr(type(self), "_process_one_worker_request"))
+        if "ZMQMessage" in serve.__globals__:  # what it decodes each request with
+            serve.__globals__["ZMQMessage"] = _message_class(serve.__globals__["ZMQMessage"])
         self.worker_thread = threading.Thread(target=self._serve, name=f"StorageUnitThread-{self.storage_unit_id}",
                                               daemon=True)
         self.worker_thread.start()

@@ -17,7 +17,11 @@ on plain (blocking) ZMQ sockets from the thread that asked, and waits on their a
   dead plane actors, the driver's) every `WATCH_S` seconds, so a dead unit ends it with
   `DataPlaneDied` instead of a timeout;
 - a socket whose request failed or timed out is closed, never reused (its late answer would be
-  read as the next request's); the pool does that for a lease that raises.
+  read as the next request's); the pool does that for a lease that raises;
+- messages between a `Wire` and a storage unit are decoded by TQ's own msgpack decoder without
+  its walk over every value looking for TensorDicts (`decode`; the unit's side through
+  `rlgraph.runtime.dataplane.unit`): they hold lists of bytes and numbers, never a TensorDict, and
+  the walk cost 0.7 ms for 1,024 rows' cells.
 """
 
 from __future__ import annotations
@@ -27,13 +31,45 @@ import time
 from typing import Any, Callable, Mapping
 
 import zmq
-from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, ZMQSocketPool
+from transfer_queue.utils import serial_utils
+from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, ZMQSocketPool, frame_nbytes
 
 from rlgraph.runtime.dataplane.base import DataPlaneDied, DataPlaneError
 
-__all__ = ["Wire", "WATCH_S"]
+__all__ = ["SUFFIX", "Wire", "WATCH_S", "decode"]
 
 WATCH_S = 1.0  # how often a wait asks whether a plane actor died
+
+
+class _Plain(serial_utils.MsgpackDecoder):
+    """TQ's message decoder, less the walk that rebuilds TensorDicts from their markers."""
+
+    def _reconstruct_special_types(self, obj: Any) -> Any:
+        return obj
+
+
+_plain = _Plain()
+_full = serial_utils.MsgpackDecoder()
+SUFFIX = "_wire"  # ends the sender id of every request a `Wire` sends
+
+
+def decode(frames: list[Any], plain: Callable[[str], bool] = lambda sender: True) -> ZMQMessage:
+    """A message as ``ZMQMessage.deserialize`` reads it (the same frames, fields and errors), but
+    its body is walked for TensorDicts only when `plain` says its sender may have sent one. The
+    walk visits every value (0.7 ms for 1,024 rows' cells); the messages between a `Wire` and a
+    storage unit hold lists of bytes and numbers, never a TensorDict."""
+    if not frames or not frame_nbytes(frames[0]) or (len(frames) >= 2 and serial_utils._is_pickle_fallback(frames[0])):
+        return ZMQMessage.deserialize(frames)  # TQ's own path: its error for a shifted frame, or pickle
+    try:
+        result = _plain.decode(frames)
+    except Exception:
+        return ZMQMessage.deserialize(frames)  # raises TQ's own error for it
+    body = result["body"]
+    if not plain(result["sender_id"]):
+        body = _full._reconstruct_special_types(body)
+    return ZMQMessage(request_type=ZMQRequestType(result["request_type"]), sender_id=result["sender_id"],
+                      receiver_id=result["receiver_id"], body=body, request_id=result["request_id"],
+                      timestamp=result["timestamp"])
 
 
 class Wire:
@@ -42,17 +78,18 @@ class Wire:
     def __init__(self, manager_id: str, units: Mapping[str, Any]) -> None:
         """`manager_id`: the TQ storage manager's id (its identity prefix admits us);
         `units`: each unit's ``ZMQServerInfo`` by unit id."""
-        self._id = f"{manager_id}_wire"
+        self._id = f"{manager_id}{SUFFIX}"
         self._units = dict(units)
         self._ctx = zmq.Context()
         self._pool = ZMQSocketPool(self._ctx, self._id, "put_get_socket")
 
     def put(self, requests: Mapping[str, tuple[list[int], dict[str, list[Any]]]], timeout_s: float, what: str,
-            watch: Callable[[], list[str]] | None = None) -> None:
-        """Store cells: per unit id, (global indexes, {field: cells in that order})."""
+            watch: Callable[[], list[str]] | None = None, during: Callable[[], None] | None = None) -> None:
+        """Store cells: per unit id, (global indexes, {field: cells in that order}). `during` runs
+        once the requests are sent, before the answers are read."""
         messages = {unit: self._message(ZMQRequestType.PUT_DATA, unit, {
             "global_indexes": indexes, "data": data, "data_parser": None}) for unit, (indexes, data) in requests.items()}
-        for unit, answer in self.exchange(messages, timeout_s, what, watch).items():
+        for unit, answer in self.exchange(messages, timeout_s, what, watch, during).items():
             if answer.request_type != ZMQRequestType.PUT_DATA_RESPONSE:
                 raise DataPlaneError(f"storage unit {unit} refused to {what}: {answer.body.get('message', answer.body)}")
 
@@ -72,15 +109,18 @@ class Wire:
         return ZMQMessage.create(request_type=kind, sender_id=self._id, receiver_id=unit, body=body)
 
     def exchange(self, messages: Mapping[str, ZMQMessage], timeout_s: float, what: str,
-                 watch: Callable[[], list[str]] | None = None) -> dict[str, ZMQMessage]:
-        """Send each unit its message, then wait for every answer (by unit id)."""
+                 watch: Callable[[], list[str]] | None = None,
+                 during: Callable[[], None] | None = None) -> dict[str, ZMQMessage]:
+        """Send each unit its message, run `during`, then wait for every answer (by unit id). If
+        `during` raises, the sockets are closed with their answers unread."""
         try:
-            return self._exchange(messages, timeout_s, what, watch)
+            return self._exchange(messages, timeout_s, what, watch, during)
         except zmq.ZMQError as e:  # the transport, not the data: say so (a get would blame a missing column)
             raise DataPlaneError(f"the connection to TransferQueue's storage failed while trying to {what}: {e}") from e
 
     def _exchange(self, messages: Mapping[str, ZMQMessage], timeout_s: float, what: str,
-                  watch: Callable[[], list[str]] | None) -> dict[str, ZMQMessage]:
+                  watch: Callable[[], list[str]] | None,
+                  during: Callable[[], None] | None = None) -> dict[str, ZMQMessage]:
         deadline = time.monotonic() + timeout_s
         with contextlib.ExitStack() as leases:
             sockets = {}
@@ -88,6 +128,8 @@ class Wire:
                 sock = leases.enter_context(self._pool.lease(self._units[unit]))
                 sock.send_multipart(message.serialize(), copy=False)
                 sockets[sock] = unit
+            if during is not None:
+                during()
             poller = zmq.Poller()
             for sock in sockets:
                 poller.register(sock, zmq.POLLIN)
@@ -99,7 +141,7 @@ class Wire:
                                          f"(no answer from storage units {sorted(set(sockets.values()) - set(answers))})")
                 ready = dict(poller.poll(1000 * min(left, WATCH_S if watch is not None else left)))
                 for sock in ready:
-                    answers[sockets[sock]] = ZMQMessage.deserialize(sock.recv_multipart(copy=False))
+                    answers[sockets[sock]] = decode(sock.recv_multipart(copy=False))
                     poller.unregister(sock)
                 if not ready and watch is not None:
                     dead = watch()

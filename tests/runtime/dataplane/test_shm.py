@@ -41,7 +41,8 @@ def _files(prefix: str) -> list[str]:
 def _put(segments, partition, **columns):
     rows = len(next(iter(columns.values())))
     norm = {k: _normalize(k, v, rows) for k, v in columns.items()}
-    shared = segments.encode(partition, norm)
+    shared, write = segments.encode(partition, norm)
+    write()
     return {k: shared[k] if k in shared else cells.encode(c) for k, c in norm.items()}
 
 
@@ -139,7 +140,7 @@ def test_a_missing_segment_is_an_error_that_names_it_and_the_setting(prefix):
         with pytest.raises(DataPlaneError, match="reads none"):
             cells.decode(encoded, None)
         with pytest.raises(DataPlaneError, match="not the name of an rlgraph"):
-            reader.view("../etc/passwd")
+            reader.lease("../etc/passwd")
     finally:
         segments.close()
 
@@ -211,3 +212,84 @@ def test_a_dev_shm_that_refuses_sends_the_columns_as_bytes_with_one_warning(segm
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _put(segments, "q", x=x)["x"][0][0] == ord("t")
+
+
+def test_a_get_maps_the_segment_and_an_op_may_write_into_what_it_got(segments):
+    x = torch.randn(64, 1024)
+    encoded = _put(segments, "p", x=x)["x"]
+    got = cells.decode(encoded, segments)
+    again = cells.decode(encoded, segments)
+    before = got.untyped_storage().data_ptr()
+    got.add_(1.0)  # copy-on-write: the op's own pages from here on
+    _same(again, x)  # another reader's rows, and the segment, are untouched
+    _same(cells.decode(encoded, segments), x)
+    assert got.untyped_storage().data_ptr() == before and torch.equal(got, x + 1.0)
+
+
+def test_a_segment_a_reader_still_holds_is_never_written_by_a_later_put(prefix):
+    writer = shm.Segments(prefix)
+    reader = shm.Segments(prefix)
+    try:
+        x = torch.randn(64, 1024)
+        held = cells.decode(_put(writer, "step_0", x=x)["x"], reader)
+        row = held[3]  # a view of one row holds the whole mapping
+        del held
+        writer.forget("step_0")
+        y = torch.randn(64, 1024)
+        second = _put(writer, "step_1", x=y)["x"]
+        assert len(_files(prefix)) >= 2 and writer.held_at_reuse >= 1  # a new segment, not the held one
+        assert torch.equal(row, x[3])
+        _same(cells.decode(second, reader), y)
+        del row  # let go: the segment is free to write again
+        writer.forget("step_1")
+        files = len(_files(prefix))
+        _put(writer, "step_3", x=y)
+        assert len(_files(prefix)) == files  # reused
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_segment_removed_while_held_keeps_its_rows_for_the_holder(prefix):
+    writer = shm.Segments(prefix)
+    x = [torch.randn(n) for n in (300, 5000, 70)]
+    got = cells.decode(_put(writer, "p", x=x)["x"], writer)
+    writer.close()
+    shm.remove_all(prefix)
+    assert _files(prefix) == []
+    _same(got, x)
+
+
+def test_rows_of_several_puts_come_back_joined_when_dense_and_as_views_when_ragged(segments):
+    a, b = torch.randn(32, 1024), torch.randn(32, 1024)
+    first, second = _put(segments, "p", x=a)["x"], _put(segments, "p", x=b)["x"]
+    _same(cells.decode(first + second, segments), torch.cat([a, b]))
+    _same(cells.decode(second[5:9] + first[:3], segments), torch.cat([b[5:9], a[:3]]))
+    ra = [torch.randn(n) for n in (100, 2000, 0, 30)]
+    rb = [torch.randn(n) for n in (700, 1)]
+    ca, cb = _put(segments, "p", x=ra)["x"], _put(segments, "p", x=rb)["x"]
+    _same(cells.decode(cb + ca, segments), rb + ra)
+    _same(cells.decode([ca[3], ca[1], cb[0]], segments), [ra[3], ra[1], rb[0]])
+
+
+def test_ragged_rows_of_several_dimensions_and_rows_that_need_grad_are_written_exactly(segments):
+    rows = [torch.randn(n, 3, requires_grad=True) for n in (40, 500, 7)]
+    _same(cells.decode(_put(segments, "p", x=rows)["x"], segments), [r.detach() for r in rows])
+    strided = [torch.randn(n, 8)[:, ::2] for n in (200, 300, 100)]  # not contiguous
+    _same(cells.decode(_put(segments, "p", x=strided)["x"], segments), [s.contiguous() for s in strided])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_columns_written_on_two_threads_come_back_exactly(segments, monkeypatch, threads):
+    monkeypatch.setattr(cells, "SPLIT_BYTES", 64 * 1024)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dense = torch.randn(333, 257)
+        ragged = [torch.randn(n) for n in (1, 20000, 3, 7000, 9000, 0, 15)]
+        two = [torch.randn(30000), torch.randn(5)]  # the first row is most of it
+        for x in (dense, ragged, two):
+            _same(cells.decode(_put(segments, "p", x=x)["x"], segments), x)
+        assert torch.get_num_threads() == threads  # the copy's one thread is given back
+    finally:
+        torch.set_num_threads(before)

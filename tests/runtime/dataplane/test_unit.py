@@ -99,3 +99,26 @@ def test_the_switch_keeps_tq_s_own_threads(monkeypatch):
     finally:
         u.put_get_socket.close(0)
         ctx.term()
+
+
+def test_rlgraph_clients_requests_are_read_without_the_tensordict_walk_and_others_with_it():
+    import torch
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from rlgraph.runtime.dataplane import wire
+
+    message_class = unit_mod._message_class(ZMQMessage)
+    assert unit_mod._message_class(message_class) is message_class  # patched once
+    cells = [b"m\x08\x01abc", b"t\x08\x00"]
+    marker = {"__tq_tensordict__": True, "batch_size": [2], "data": {"x": torch.arange(2)}}
+    for sender, walked in ((f"manager_1{wire.SUFFIX}", False), ("TQ_STORAGE_client_2", True)):
+        sent = ZMQMessage.create(request_type=ZMQRequestType.PUT_DATA, sender_id=sender, receiver_id="unit",
+                                 body={"global_indexes": [3, 4], "data": {"x": cells}, "td": marker})
+        got = message_class.deserialize(sent.serialize())
+        assert got.request_type == ZMQRequestType.PUT_DATA and got.sender_id == sender
+        assert got.body["global_indexes"] == [3, 4] and list(map(bytes, got.body["data"]["x"])) == cells
+        assert isinstance(got.body["td"], dict) is not walked  # TQ's walk makes the marker a TensorDict
+        if walked:
+            assert torch.equal(got.body["td"]["x"], torch.arange(2))
+    with pytest.raises(Exception, match="leading frame is empty"):
+        message_class.deserialize([b""])
