@@ -129,11 +129,13 @@ def test_a_lost_node_is_survived_when_the_nodes_left_can_hold_the_plan(three_nod
     # one storage unit: with the default of one per node, the 2 nodes left could not hold the data
     # plane's 3 units as well (docs/cluster.md, section 7), and the loss would stop the run
     args = ["--address", three_nodes.address, *SPREAD, "groups.reward.placement=spread", "dataplane.storage_units=1"]
-    clean = _start(tmp_path / "clean", *args, steps=3)
+    # steps enough that the run is still going when the node's workers are gone: a removed node's
+    # processes take a second or two to die, and three steps of about 0.3 s once ended before that
+    clean = _start(tmp_path / "clean", *args, steps=8)
     text, _ = clean.communicate(timeout=600)
     assert clean.returncode == 0, text
 
-    proc = _start(tmp_path / "run", *args, steps=3)
+    proc = _start(tmp_path / "run", *args, steps=8)
     killed = _kill_a_worker_node_during_step_1(three_nodes, proc, tmp_path / "run")
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, text
