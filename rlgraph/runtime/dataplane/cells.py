@@ -19,6 +19,9 @@ here, and a get turns a list of cells back into a column with one join and one `
   tensors over the segments' mappings (`Segments.lease`): no copy, except a dense column whose
   rows lie in several runs (several puts, or rows out of order), which is joined into one tensor.
 
+Cells whose headers agree (a dense column's rows; a ragged column's rows of one dtype) are parsed
+as one array, not one cell at a time (`_dense_rows`, `_ragged_rows`, `_shared_table`).
+
 `decode` applies `assemble_rows`' rule: a dense tensor when every row has one shape and dtype,
 a list of per-row tensors otherwise, a list for objects.
 """
@@ -260,6 +263,12 @@ def decode(cells: Sequence[Any], segments: Segments | None = None) -> ColumnData
                              f"encoding was expected; a process other than rlgraph's wrote this column")
     if cells[0][0] not in (_TENSOR, _SHARED):
         return _objects(cells)
+    if cells[0][0] == _TENSOR:
+        parsed = _dense_rows(cells)
+        if parsed is None:
+            parsed = _ragged_rows(cells)
+        if parsed is not None:
+            return parsed
     if cells[0][0] == _SHARED and segments is not None:
         table = _shared_table(cells)
         if table is not None:  # one dtype and one number of dimensions: parsed as one array
@@ -303,6 +312,62 @@ def decode(cells: Sequence[Any], segments: Segments | None = None) -> ColumnData
         out.append(torch.frombuffer(bytearray(body), dtype=dtype).view(shape) if len(body)
                    else torch.empty(shape, dtype=dtype))
     return out
+
+
+def _dense_rows(cells: Sequence[Any]) -> torch.Tensor | None:
+    """The rows of cells that all carry one header (tensor rows of one dtype and shape: a dense
+    column), as one tensor, parsed and copied at once (a cell at a time cost ~2 us a row); else None."""
+    first = cells[0]
+    size = len(first)
+    if len(set(map(len, cells))) != 1:
+        return None
+    _, code, ndim = _HEAD.unpack_from(first)
+    if ndim >= len(_SHAPES) or code >= len(_DTYPES):
+        return None
+    head = _HEAD.size + 4 * ndim
+    table = np.frombuffer(b"".join(cells), dtype=np.uint8).reshape(len(cells), size)
+    if not (table[:, :head] == table[0, :head]).all():
+        return None
+    shape = _SHAPES[ndim].unpack_from(first, _HEAD.size)
+    dtype = _DTYPES[code]
+    if (size - head) != _numel(shape) * dtype.itemsize:
+        return None
+    if size == head:  # rows of no elements
+        return torch.empty(len(cells), *shape, dtype=dtype)
+    flat = torch.from_numpy(table[:, head:].copy().reshape(-1))  # the one copy, writable and 1-D
+    return flat.view(dtype).view(len(cells), *shape)
+
+
+def _ragged_rows(cells: Sequence[Any]) -> list[torch.Tensor] | None:
+    """Tensor rows of one dtype and number of dimensions but of several shapes (a ragged column),
+    parsed at once: their bodies copied out in one masked copy, then split into per-row views
+    (a cell at a time cost ~5 us a row); None when the cells are not all such rows."""
+    n = len(cells)
+    _, code, ndim = _HEAD.unpack_from(cells[0])
+    if ndim >= len(_SHAPES) or code >= len(_DTYPES) or n < 2:
+        return None
+    head = _HEAD.size + 4 * ndim
+    lengths = np.fromiter(map(len, cells), dtype=np.int64, count=n)
+    if int(lengths.min()) < head:
+        return None
+    joined = np.frombuffer(b"".join(cells), dtype=np.uint8)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    heads = joined[starts[:, None] + np.arange(head)]  # [rows, header bytes]
+    if not (heads[:, :_HEAD.size] == heads[0, :_HEAD.size]).all():
+        return None
+    shapes = heads[:, _HEAD.size:].copy().view("<u4").reshape(n, ndim).astype(np.int64)
+    dtype = _DTYPES[code]
+    numels = shapes.prod(axis=1)
+    if not (numels * dtype.itemsize == lengths - head).all():
+        return None
+    keep = np.ones(joined.size, dtype=bool)
+    keep[(starts[:, None] + np.arange(head)).ravel()] = False
+    body = joined[keep]  # the one copy: every body, in order
+    flat = torch.from_numpy(body).view(dtype) if body.size else torch.empty(0, dtype=dtype)
+    parts = torch.split(flat, numels.tolist())
+    if ndim == 1:
+        return list(parts)
+    return [p.view(*shape) for p, shape in zip(parts, shapes.tolist())]
 
 
 def _shared_table(cells: Sequence[Any]) -> tuple[int, np.ndarray, list[tuple[str, int, int, int]]] | None:

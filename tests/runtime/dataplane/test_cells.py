@@ -99,3 +99,20 @@ def test_a_cell_not_written_by_rlgraph_is_a_clear_error():
 def test_an_unsupported_dtype_names_the_ones_that_go():
     with pytest.raises(DataPlaneError, match="dtype"):
         cells.encode(_normalize("c", torch.ones(2, dtype=torch.complex32), 2))
+
+
+def test_dense_rows_are_parsed_at_once_only_when_every_header_agrees():
+    one = torch.randn(1, 5)
+    _same(one, _round_trip(one, 1)[1])
+    empty = torch.zeros(3, 0)
+    _same(empty, _round_trip(empty, 3)[1])
+    # cells of one length whose shapes differ (2 x 3 and 3 x 2): rows of a list, never one tensor
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    mixed = cells.encode(_normalize("c", [a], 1)) + cells.encode(_normalize("c", [b], 1))
+    assert len(mixed[0]) == len(mixed[1])
+    _same([a, b], cells.decode(mixed))
+    big = torch.randint(0, 1000, (4096, 16))
+    got = cells.decode(cells.encode(_normalize("c", big, 4096)))
+    _same(big, got)
+    got[0, 0] = -1  # the op's own memory
+    assert big[0, 0] != -1
