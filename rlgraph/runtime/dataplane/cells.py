@@ -33,7 +33,9 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import os
 import struct
+import threading
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -154,13 +156,26 @@ SPLIT_BYTES = 4 << 20  # a column this large is copied on two threads where the 
 _helper: concurrent.futures.ThreadPoolExecutor | None = None
 
 
+_helper_lock = threading.Lock()
+
+
+def _forget_helper() -> None:  # a forked child has the executor but not its thread
+    global _helper
+    _helper = None
+
+
+os.register_at_fork(after_in_child=_forget_helper)
+
+
 def _both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
     """Run `second` on a helper thread while this one runs `first` (torch's copies let go of the
     GIL); return once both are done, raising what either raised."""
     global _helper
-    if _helper is None:
-        _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlgraph-copy")
-    other = _helper.submit(second)
+    with _helper_lock:
+        if _helper is None:
+            _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlgraph-copy")
+        helper = _helper
+    other = helper.submit(second)
     try:
         first()
     finally:
@@ -169,7 +184,9 @@ def _both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[int]:
-    """One torch thread inside; gives the number the process had."""
+    """One torch thread inside; gives the number the process had. torch's thread count is the
+    process's: another thread's first parallel op inside this window would start with one thread.
+    The runtime puts from the call thread, the one that computes, so nothing else computes then."""
     n = torch.get_num_threads()
     if n == 1:
         yield n

@@ -130,11 +130,10 @@ class Segments:
     # ------------------------------------------------------------------ writing
     def encode(self, partition: str, columns: dict[str, _Column]) -> tuple[dict[str, list[bytes]], Callable[[], None]]:
         """Place the large tensor columns of one put in a segment: their cells (descriptors) by
-        column, and the function that writes their bytes there, to be called before the put returns
-        (the TransferQueue client calls it while the descriptors travel to their storage unit).
-        ({}, a no-op) when none is large enough or no segment could be made (they go as bytes).
-        The segment belongs to `partition` from here on, written or not: it is reused only once
-        that partition is cleared."""
+        column, and the function that writes their bytes there, to be called before the cells are
+        sent (a put whose write fails sends none of them). ({}, a no-op) when none is large enough
+        or no segment could be made (they go as bytes). The segment belongs to `partition` from
+        here on, written or not: it is reused only once that partition is cleared."""
         sizes = {name: _nbytes(col.value) for name, col in columns.items() if col.kind in ("dense", "ragged")}
         big = {name: columns[name] for name, n in sizes.items()
                if n >= max(MIN_BYTES, MIN_ROW_BYTES * len(columns[name].value))}
@@ -151,8 +150,11 @@ class Segments:
             self._busy.setdefault(partition, []).append(segment)
 
         def write() -> None:
-            for name, col in big.items():
-                cells.write(col, segment.buffer, offsets[name])
+            # an export of the mapping while it is written: `close` cannot unmap it under the copy
+            # (torch.frombuffer holds none), it leaves the mapping to the garbage collector instead
+            with memoryview(segment.buffer):
+                for name, col in big.items():
+                    cells.write(col, segment.buffer, offsets[name])
 
         return {name: cells.shared(col, segment.name, offsets[name]) for name, col in big.items()}, write
 

@@ -217,7 +217,7 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         await super().clear_data(metadata)
 
     def put_cells(self, metadata: "BatchMeta | _Rows", cells: dict[str, list[bytes]], timeout_s: float, what: str,
-                  watch: Callable[[], list[str]] | None = None, during: Callable[[], None] | None = None) -> None:
+                  watch: Callable[[], list[str]] | None = None) -> None:
         """Store encoded cells (`rlgraph.runtime.dataplane.cells`), each row on its home unit,
         from the calling thread (`wire`).
 
@@ -229,7 +229,7 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         routing = self._group_by_hash(metadata.global_indexes)
         self._wire().put({unit: (group.global_indexes, cells if len(routing) == 1 else
                                  {f: [v[p] for p in group.batch_positions] for f, v in cells.items()})
-                          for unit, group in routing.items()}, timeout_s, what, watch, during)
+                          for unit, group in routing.items()}, timeout_s, what, watch)
 
     def get_cells(self, metadata: "BatchMeta | _Rows", fields: list[str], timeout_s: float, what: str,
                   watch: Callable[[], list[str]] | None = None) -> dict[str, list[Any]]:
@@ -432,10 +432,11 @@ class _TQClient(DataPlaneClient):
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
         shared, write = self._segments.encode(partition, columns) if self._segments is not None else ({}, None)
+        if write is not None:  # the bytes first: a put that fails writing sends no descriptor of them
+            write()
         encoded = {name: shared[name] if name in shared else cells.encode(col) for name, col in columns.items()}
-        # the shared columns' bytes are written while their descriptors travel (the put returns after both)
         self._manager.put_cells(meta, encoded, self._op_timeout(sum(sum(map(len, column)) for column in encoded.values())),
-                                f"put columns {sorted(columns)} to partition {partition!r}", self._watch, during=write)
+                                f"put columns {sorted(columns)} to partition {partition!r}", self._watch)
         if self._segments is not None:  # one node: every byte is local; a shared column's are its rows'
             count_locality(sum(_nbytes(columns[n].value) if n in shared else sum(map(len, c))
                                for n, c in encoded.items()), 0)
