@@ -128,35 +128,33 @@ class Segments:
         self.held_at_reuse = 0  # free segments passed over because a reader still held them
 
     # ------------------------------------------------------------------ writing
-    def encode(self, partition: str, columns: dict[str, _Column]) -> tuple[dict[str, list[bytes]], Callable[[], None]]:
-        """Place the large tensor columns of one put in a segment: their cells (descriptors) by
-        column, and the function that writes their bytes there, to be called before the cells are
-        sent (a put whose write fails sends none of them). ({}, a no-op) when none is large enough
-        or no segment could be made (they go as bytes). The segment belongs to `partition` from
-        here on, written or not: it is reused only once that partition is cleared."""
+    def encode(self, partition: str, columns: dict[str, _Column]) -> dict[str, list[bytes]]:
+        """Write the large tensor columns of one put into a segment; their cells (descriptors) by
+        column. {} when none is large enough or no segment could be made (they go as bytes)."""
         sizes = {name: _nbytes(col.value) for name, col in columns.items() if col.kind in ("dense", "ragged")}
         big = {name: columns[name] for name, n in sizes.items()
                if n >= max(MIN_BYTES, MIN_ROW_BYTES * len(columns[name].value))}
         if not big:
-            return {}, _nothing
+            return {}
         offsets, total = {}, 0
         for name in big:
             offsets[name] = total
             total += -(-sizes[name] // ALIGN) * ALIGN
         segment = self._take(total)
         if segment is None:
-            return {}, _nothing
-        with self._lock:
-            self._busy.setdefault(partition, []).append(segment)
-
-        def write() -> None:
+            return {}
+        try:
             # an export of the mapping while it is written: `close` cannot unmap it under the copy
             # (torch.frombuffer holds none), it leaves the mapping to the garbage collector instead
             with memoryview(segment.buffer):
                 for name, col in big.items():
                     cells.write(col, segment.buffer, offsets[name])
-
-        return {name: cells.shared(col, segment.name, offsets[name]) for name, col in big.items()}, write
+        except BaseException:
+            self._give_back(segment)
+            raise
+        with self._lock:
+            self._busy.setdefault(partition, []).append(segment)
+        return {name: cells.shared(col, segment.name, offsets[name]) for name, col in big.items()}
 
     def _take(self, nbytes: int) -> _Segment | None:
         with self._lock:
@@ -261,10 +259,6 @@ class Segments:
         _unlink(os.path.join(SHM_DIR, segment.name))
         _close(segment.buffer)
         os.close(segment.fd)
-
-
-def _nothing() -> None:
-    pass
 
 
 def populate(buffer: mmap.mmap, offset: int, nbytes: int) -> None:

@@ -431,9 +431,7 @@ class _TQClient(DataPlaneClient):
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
-        shared, write = self._segments.encode(partition, columns) if self._segments is not None else ({}, None)
-        if write is not None:  # the bytes first: a put that fails writing sends no descriptor of them
-            write()
+        shared = self._segments.encode(partition, columns) if self._segments is not None else {}
         encoded = {name: shared[name] if name in shared else cells.encode(col) for name, col in columns.items()}
         self._manager.put_cells(meta, encoded, self._op_timeout(sum(sum(map(len, column)) for column in encoded.values())),
                                 f"put columns {sorted(columns)} to partition {partition!r}", self._watch)

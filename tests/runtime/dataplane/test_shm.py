@@ -41,8 +41,7 @@ def _files(prefix: str) -> list[str]:
 def _put(segments, partition, **columns):
     rows = len(next(iter(columns.values())))
     norm = {k: _normalize(k, v, rows) for k, v in columns.items()}
-    shared, write = segments.encode(partition, norm)
-    write()
+    shared = segments.encode(partition, norm)
     return {k: shared[k] if k in shared else cells.encode(c) for k, c in norm.items()}
 
 
