@@ -427,7 +427,13 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("rlgraph").setLevel(logging.INFO)
     # Ray starts (its own processes) while this process imports the runtime (torch, TransferQueue)
-    # and runs the pipeline's prepare hook on a thread: start-up pays for the longer of the two
+    # and runs the pipeline's prepare hook on a thread: start-up pays for the longer of the two.
+    # Ray's own module first, before that thread starts: imported beside it, both crawl (one GIL)
+    # and Ray's start waits for its import
+    import ray  # noqa: F401
+
+    from rlgraph.runtime.cluster import start_ray
+
     loaded: dict[str, BaseException] = {}
 
     def load() -> None:
@@ -442,8 +448,6 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
     ray_handle = None
     try:
         from dataclasses import replace
-
-        from rlgraph.runtime.cluster import start_ray
 
         t0 = time.time()
         ray_handle = handles["ray"] = start_ray(plan, address, verbose)

@@ -58,7 +58,15 @@ class RayHandle:
             ray.shutdown()
 
 
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")  # NVIDIA's, AMD's (ROCm)
+
+
 def _local_gpus() -> int:
+    """The GPUs torch can use on this machine. Without a GPU driver's device files there are none,
+    and torch is not imported to say so: ``start_ray`` runs before Ray starts, beside the run's own
+    imports, and importing torch there (~1 s of CPU) held Ray's start back."""
+    if not any(os.path.exists(f) for f in GPU_DEVICE_FILES):
+        return 0
     try:
         import torch
 
