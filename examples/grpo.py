@@ -19,6 +19,12 @@ from rlgraph.ops import stages
 
 MODEL = "~/.cache/rlgraph/models/tiny-add-grpo-v2"
 SFT_STEPS = 100
+# Forward and backward passes as large as a token budget allows, not a fixed 64 samples: a tiny
+# model's passes on a CPU are bound by per-operation overhead, so one pass over 512 samples takes
+# about a quarter less than eight over 64 (docs/performance.md, section 11). With a real model,
+# size max_tokens_per_micro_batch to the device's memory (verl: log_prob_max_token_len_per_gpu,
+# ppo_max_token_len_per_gpu).
+PASSES = {"micro_batch_size": 1024, "max_tokens_per_micro_batch": 16384}
 
 
 def prepare(config):
@@ -48,10 +54,10 @@ pipeline = Pipeline(
     config={
         "data": {"batch_size": 16, "task": "add"},
         "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0},
-        "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 16, "micro_batch_size": 64,
+        "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 16, **PASSES,
                   "use_kl_loss": True, "kl_loss_coef": 0.001},
-        "old_logprob": {"micro_batch_size": 64},
-        "ref": {"micro_batch_size": 64},
+        "old_logprob": PASSES,
+        "ref": PASSES,
         "trainer": {"steps": 350},
     },
     prepare=prepare,
