@@ -392,6 +392,7 @@ class _TQClient(DataPlaneClient):
         controller the first time this client meets a row, then remembered until the partition is
         forgotten (`forget`, sent when the driver clears it: a partition created again under the
         same name may give its rows other indexes)."""
+        self._cleared_first(partition)
         known = self._rows.setdefault(partition, {})
         pick = operator.itemgetter(*rows) if len(rows) > 1 else (lambda d: (d[rows[0]],))
         try:
@@ -419,6 +420,9 @@ class _TQClient(DataPlaneClient):
             pairs = pick(known)
         indexes, custom = zip(*pairs)
         return _Rows(list(indexes), list(custom))
+
+    def _cleared_first(self, partition: str) -> None:
+        """Before a put or get of `partition`: the driver's plane waits for its clear (`TransferQueueDataPlane.clear`)."""
 
     def forget(self, partition: str) -> None:
         self._rows.pop(partition, None)
@@ -606,7 +610,9 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         end and the next calls): TQ releases a partition's row indexes only after its storage
         units dropped the rows, so a partition created meanwhile gets other indexes and loses
         nothing. A failed clear is raised by this plane's next `create_partition`, `clear` or
-        `close`; creating a partition of the same name waits for its clear."""
+        `close`; creating, putting into or getting from a partition of the same name waits for
+        its clear. Other clients must not use a partition once it is being cleared (the runtime
+        clears a step's partition only after its calls ended)."""
         self.forget(partition)
         self._settle_clears()
         self._created.discard(partition)
@@ -615,6 +621,10 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
 
     def wait_clears(self) -> None:
         self._settle_clears(wait_all=True)
+
+    def _cleared_first(self, partition: str) -> None:
+        if partition in self._clearing:  # a put or get after a clear finds the partition gone, as before
+            self._settle_clears(wait_for=partition)
 
     def _settle_clears(self, wait_for: str | None = None, wait_all: bool = False) -> None:
         """Forget the clears that ended; raise the first that failed. Waits first for the clear of
@@ -637,7 +647,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                     pass  # raised below, with the others
                 break
         for name, fut in list(self._clearing.items()):
-            with self._clear_lock:  # the runner may admit a step (create, clear) beside its own clears
+            with self._clear_lock:  # callers on several threads settle the same clears
                 if not fut.done() or self._clearing.get(name) is not fut:
                     continue
                 del self._clearing[name]

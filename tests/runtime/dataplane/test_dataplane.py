@@ -458,6 +458,8 @@ def test_a_clear_runs_while_the_driver_goes_on_and_a_failed_one_is_raised_next(t
     tq_plane.create_partition(p, 3)
     tq_plane.put(p, [0, 1, 2], {"x": torch.ones(3)})
     tq_plane.clear(p)
+    with pytest.raises(DataPlaneError, match=repr(p)):  # a get waits for the clear: the rows are gone
+        tq_plane.get(p, (0,), ["x"])
     # the same name again: its create waits for the clear, and gets a fresh partition
     tq_plane.create_partition(p, 2)
     with pytest.raises(DataPlaneError, match="never written"):
