@@ -279,11 +279,7 @@ class DataPlane(DataPlaneClient):
 
     @abstractmethod
     def clear(self, partition: str) -> None:
-        """Drop ``partition``: its rows, payload and consumption. Unknown partitions are a no-op.
-        A plane may finish the clear after returning (`wait_clears` waits for it)."""
-
-    def wait_clears(self) -> None:  # noqa: B027 - a plane whose clears end before they return
-        """Wait until every `clear` so far has ended; raise the first that failed."""
+        """Drop ``partition``: its rows, payload and consumption. Unknown partitions are a no-op."""
 
     @abstractmethod
     def handle(self) -> DataPlaneHandle:

@@ -43,7 +43,6 @@ import contextlib
 import operator
 import os
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -314,10 +313,6 @@ class _Loop:
             except asyncio.TimeoutError:
                 raise DataPlaneError(f"timed out after {timeout}s waiting for TransferQueue to {what}") from None
 
-    def submit(self, coro: Awaitable[Any], timeout: float) -> concurrent.futures.Future:
-        """Start `coro` (under `timeout`) without waiting for it."""
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
-
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5.0)
@@ -392,7 +387,6 @@ class _TQClient(DataPlaneClient):
         controller the first time this client meets a row, then remembered until the partition is
         forgotten (`forget`, sent when the driver clears it: a partition created again under the
         same name may give its rows other indexes)."""
-        self._cleared_first(partition)
         known = self._rows.setdefault(partition, {})
         pick = operator.itemgetter(*rows) if len(rows) > 1 else (lambda d: (d[rows[0]],))
         try:
@@ -420,9 +414,6 @@ class _TQClient(DataPlaneClient):
             pairs = pick(known)
         indexes, custom = zip(*pairs)
         return _Rows(list(indexes), list(custom))
-
-    def _cleared_first(self, partition: str) -> None:
-        """Before a put or get of `partition`: the driver's plane waits for its clear (`TransferQueueDataPlane.clear`)."""
 
     def forget(self, partition: str) -> None:
         self._rows.pop(partition, None)
@@ -523,8 +514,6 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                 pass
         self._watch = lambda: dead_actors(self._actors)
         self._created: set[str] = set()  # partitions this plane created and has not cleared
-        self._clearing: dict[str, concurrent.futures.Future] = {}  # clears under way (`clear`)
-        self._clear_lock = threading.Lock()
         units = [self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
         self._unit_nodes = _actor_nodes(units) if all(units) else ()
         self._owner_pid = os.getpid()
@@ -561,7 +550,6 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         if num_rows < 1:
             raise DataPlaneError(f"partition {partition!r}: num_rows must be >= 1, got {num_rows}")
         homes = self._check_homes(partition, num_rows, homes)
-        self._settle_clears(wait_for=partition)
         if partition in self._created:  # only this plane creates partitions (TQ allows one plane per cluster)
             raise DataPlaneError(f"partition {partition!r} already exists; clear it before creating it again")
         meta = self._run(
@@ -605,59 +593,9 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         return tuple(self._unit_nodes)
 
     def clear(self, partition: str) -> None:
-        """Drop `partition`. The clear runs on the client's loop while the caller goes on (four
-        round trips to TransferQueue, ~2-5 ms that the driver would otherwise spend between a step's
-        end and the next calls): TQ releases a partition's row indexes only after its storage
-        units dropped the rows, so a partition created meanwhile gets other indexes and loses
-        nothing. A failed clear is raised by this plane's next `create_partition`, `clear` or
-        `close`; creating, putting into or getting from a partition of the same name waits for
-        its clear. Other clients must not use a partition once it is being cleared (the runtime
-        clears a step's partition only after its calls ended)."""
         self.forget(partition)
-        self._settle_clears()
+        self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
         self._created.discard(partition)
-        self._clearing[partition] = self._loop.submit(self._client.async_clear_partition(partition),
-                                                      self._op_timeout())
-
-    def wait_clears(self) -> None:
-        self._settle_clears(wait_all=True)
-
-    def _cleared_first(self, partition: str) -> None:
-        if partition in self._clearing:  # a put or get after a clear finds the partition gone, as before
-            self._settle_clears(wait_for=partition)
-
-    def _settle_clears(self, wait_for: str | None = None, wait_all: bool = False) -> None:
-        """Forget the clears that ended; raise the first that failed. Waits first for the clear of
-        partition `wait_for`, or with `wait_all` for every clear under way."""
-        waits = list(self._clearing) if wait_all else [wait_for] if wait_for in self._clearing else []
-        for name in waits:  # as `_Loop.run` waits: a dead plane actor ends the wait
-            deadline = time.monotonic() + self._op_timeout()
-            while True:
-                try:
-                    self._clearing[name].result(timeout=WATCH_S)
-                except concurrent.futures.TimeoutError:
-                    dead = self._watch()
-                    if dead:
-                        raise DataPlaneDied(dead, f"waiting for TransferQueue to clear partition {name!r}") from None
-                    if time.monotonic() > deadline:
-                        raise DataPlaneError(f"timed out after {self._op_timeout()}s waiting for TransferQueue to "
-                                             f"clear partition {name!r}") from None
-                    continue
-                except BaseException:
-                    pass  # raised below, with the others
-                break
-        for name, fut in list(self._clearing.items()):
-            with self._clear_lock:  # callers on several threads settle the same clears
-                if not fut.done() or self._clearing.get(name) is not fut:
-                    continue
-                del self._clearing[name]
-            error = fut.exception() if not fut.cancelled() else None
-            if error is not None:
-                dead = self._watch()
-                if dead:
-                    raise DataPlaneDied(dead, f"clearing partition {name!r}") from None
-                what = "timed out" if isinstance(error, asyncio.TimeoutError) else f"{type(error).__name__}: {error}"
-                raise DataPlaneError(f"TransferQueue could not clear partition {name!r}: {what}") from error
 
     def handle(self) -> TransferQueueHandle:
         return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes, self._secret,
@@ -671,8 +609,6 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
             return
         self._closed = True
         try:
-            with contextlib.suppress(DataPlaneError):  # a plane that is going away: its clears' errors too
-                self._settle_clears(wait_all=True)
             super().close()
             tq.close()
         finally:

@@ -262,7 +262,6 @@ def _unit_keys(plane) -> list[int]:
 def test_tq_rows_are_stored_on_their_home_unit_by_every_client(tq_plane, workers):
     producer, consumer = workers
     p = _part()
-    tq_plane.wait_clears()  # earlier tests' partitions gone
     before = _unit_keys(tq_plane)
     homes = [1, 1, 0, 1, 1, 0]  # TransferQueue's own rule would put half of them on each unit
     tq_plane.create_partition(p, 6, homes=homes)
@@ -274,7 +273,6 @@ def test_tq_rows_are_stored_on_their_home_unit_by_every_client(tq_plane, workers
     out = ray.get(consumer.get.remote(tq_plane.handle(), p, (5, 0, 3), ["x", "t"]))
     assert _same(out["x"], x[[5, 0, 3]]) and out["t"] == ["f", "a", "d"]
     tq_plane.clear(p)  # the clear goes to the same units: nothing is left behind
-    tq_plane.wait_clears()  # (it runs while the caller goes on)
     assert _unit_keys(tq_plane) == before
     # a partition without homes keeps TransferQueue's rule (global index modulo units)
     tq_plane.create_partition(p, 4)
@@ -294,7 +292,6 @@ def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_pl
     client = tq_plane.handle().connect()
     try:
         p = _part()
-        tq_plane.wait_clears()
         before = _unit_keys(tq_plane)
         tq_plane.create_partition(p, 4, homes=[1, 1, 0, 1])
         where = tq_plane.addresses(p, [3, 0, 2])
@@ -450,32 +447,3 @@ def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it
         assert early.handed  # the first one's units went to tq.init: left alone
     finally:
         providers["simplestorage"] = original
-
-
-@pytest.mark.ray
-def test_a_clear_runs_while_the_driver_goes_on_and_a_failed_one_is_raised_next(tq_plane, monkeypatch):
-    p = _part()
-    tq_plane.create_partition(p, 3)
-    tq_plane.put(p, [0, 1, 2], {"x": torch.ones(3)})
-    tq_plane.clear(p)
-    with pytest.raises(DataPlaneError, match=repr(p)):  # a get waits for the clear: the rows are gone
-        tq_plane.get(p, (0,), ["x"])
-    # the same name again: its create waits for the clear, and gets a fresh partition
-    tq_plane.create_partition(p, 2)
-    with pytest.raises(DataPlaneError, match="never written"):
-        tq_plane.get(p, (0,), ["x"])
-    tq_plane.put(p, [0, 1], {"x": torch.zeros(2)})
-    assert _same(tq_plane.get(p, (0, 1), ["x"])["x"], torch.zeros(2))
-
-    async def failing(partition):
-        raise RuntimeError(f"no unit answered for {partition}")
-
-    monkeypatch.setattr(tq_plane._client, "async_clear_partition", failing)
-    tq_plane.clear(p)  # returns at once; the failure is the next call's
-    with pytest.raises(DataPlaneError, match=rf"could not clear partition '{p}': RuntimeError: no unit answered"):
-        tq_plane.wait_clears()
-    monkeypatch.undo()
-    other = _part()
-    tq_plane.create_partition(other, 1)  # nothing left to raise
-    tq_plane.clear(other)
-    tq_plane.wait_clears()
