@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
+from rlgraph import heap
 from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
 from rlgraph.graph.settings import DataplaneSettings
@@ -115,6 +116,7 @@ class Fleet:
         finally:
             if starter is not None:
                 starter.shutdown(wait=True)  # on a failure too: close() then stops what it started
+        heap.freeze()  # the driver's imports, plan and handles: out of the collector's full collections
 
     def _start_workers(self) -> None:
         """Placement groups, the worker actors and the source; their models loaded; connected to the

@@ -105,6 +105,9 @@ class SourceWorker:
         self.source = cls(dict(self.plan.config[self.plan.source]), TrainerSettings.of(self.plan).seed, **extra)
         self.columns = {c: self.plan.columns[c] for c in self.plan.source_columns}
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
+        from rlgraph import heap
+
+        heap.freeze()  # imports and the source's own data: out of the collector's full collections
 
     def connect(self, handle: Any) -> None:
         """Connect to the data plane (a source started before the plane was ready)."""

@@ -212,7 +212,10 @@ class GroupWorker:
         their setup may join a process group). Returns the Ray node this worker runs on."""
         import ray
 
+        from rlgraph import heap
+
         self.invoker = Invoker(self.plan, self.group, self.rank, self.dp, master_addr, master_port)
+        heap.freeze()  # imports and models: out of the collector's full collections
         return ray.get_runtime_context().get_node_id()
 
     def run_chunk(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],

@@ -174,6 +174,9 @@ def guarded_actor_class(actor_class: Any, secret: str, mixins: tuple[type, ...] 
 
             guard.install(secret)
             super().__init__(*args, **kwargs)
+            from rlgraph import heap
+
+            heap.freeze()  # imports: out of the collector's full collections
 
     Guarded.__name__ = Guarded.__qualname__ = meta.class_name
     Guarded.__module__ = __name__
