@@ -37,9 +37,10 @@ class SourceError(RLGraphError):
 
 @dataclass(frozen=True)
 class StepRows:
-    """The step's table as the source lays it out: column values per row, plus metadata."""
+    """The step's table as the source lays it out: column values per row (``uid`` and ``is_padding``
+    as one tensor [rows] each), plus metadata."""
 
-    columns: dict[str, list[Any]]
+    columns: dict[str, list[Any] | torch.Tensor]
     uids: list[int]
     is_padding: list[bool]
 
@@ -81,8 +82,10 @@ def expand_and_pad(batch: Mapping[str, list[Any]], columns: Mapping[str, ColumnP
     uids = [uid_start + p for p in range(prompts) for _ in range(n)]
     uids += [uid_start + prompts + i for i in range(padded_rows - real)]
     is_padding = [False] * real + [True] * (padded_rows - real)
-    out["uid"] = [torch.tensor(u, dtype=torch.int64) for u in uids]
-    out["is_padding"] = [torch.tensor(p) for p in is_padding]
+    # one tensor each, not one per row (what a put stacks them into): 8,192 torch.tensor calls took
+    # 20 ms of the source's 46 ms for 4,096 rows
+    out["uid"] = torch.tensor(uids, dtype=torch.int64)
+    out["is_padding"] = torch.tensor(is_padding, dtype=torch.bool)
     return StepRows(out, uids, is_padding)
 
 

@@ -118,6 +118,8 @@ def test_padding_rows_are_minimal_with_fresh_groups():
     assert rows.is_padding == [False] * 6 + [True] * 2
     assert [len(t) for t in rows.columns["tokens"]] == [4, 4, 4, 2, 2, 2, 1, 1]
     assert rows.columns["tokens"][6].tolist() == [0.0] and rows.columns["mask"][7].tolist() == [0]
+    assert rows.columns["uid"].tolist() == rows.uids and rows.columns["uid"].dtype == torch.int64
+    assert rows.columns["is_padding"].tolist() == rows.is_padding and rows.columns["is_padding"].dtype == torch.bool
 
 
 def test_source_batches_that_do_not_match_are_rejected():

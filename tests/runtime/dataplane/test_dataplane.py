@@ -151,6 +151,23 @@ def test_a_client_forgets_the_rows_of_a_cleared_partition(plane):
 
 
 @pytest.mark.ray
+def test_a_client_looking_rows_up_names_exactly_those_missing(plane):
+    # a client that was not handed the rows' addresses finds them by key on the controller; some
+    # there, some not: the error names the missing ones (TQ answers with the rows it has)
+    client = plane.handle().connect()
+    try:
+        p = _part()
+        plane.create_partition(p, 4)
+        with pytest.raises(DataPlaneError, match=r"rows \[4, 9\][^\]]* are not in partition"):
+            client.put(p, [1, 4, 2, 9], {"x": torch.ones(4)})
+        client.put(p, [3, 1], {"x": torch.tensor([3.0, 1.0])})  # found by key, in the order asked
+        assert _same(plane.get(p, (1, 3), ["x"])["x"], torch.tensor([1.0, 3.0]))
+        plane.clear(p)
+    finally:
+        client.close()
+
+
+@pytest.mark.ray
 def test_misuse_raises_typed_errors(plane):
     p = _part()
     plane.create_partition(p, 3)
