@@ -3,9 +3,12 @@
 A GRPO-shaped pipeline whose ops do no model work (`gen` writes responses of a fixed length,
 `score` puts a score on the last token, `adv` normalises per group, `update` reads everything and
 keeps a number as its state), on the same groups as examples/grpo.py (actor, reward, advantage),
-run on Ray and TransferQueue like any pipeline. Each body measures its own time and reports it
-(``timing/<op>/body_s``); a step's runtime overhead is its time between step ends minus the sum
-of its bodies' times: data-plane puts and gets, calls, scheduling, the driver's bookkeeping.
+run on Ray and TransferQueue like any pipeline. `score` and `adv` are vectorised, as the
+example's reward and advantage ops are: one body call for all the chunks (groups) of a call.
+Each body measures its own time and reports it once per call (``timing/<op>/body_s``); a step's
+runtime overhead is its time between step ends minus the sum of its bodies' times: data-plane
+puts and gets, calls, scheduling, the driver's bookkeeping. The first two steps (warm-up) and the
+last (no next step being admitted beside it) are left out.
 
 The sweep runs rows (B x n) from 64 to 4,096 at 16-token responses, and responses from 16 to
 2,048 tokens at 256 rows; column bytes per step are what the workers put and got (their spans'
@@ -68,7 +71,8 @@ def gen(prompt_ids: T.int64("prompt_len"), *, n: int = N, length: int = 16, micr
             "gen_metrics": _timed(t0)}
 
 
-@op(outputs={"token_level_scores": T.float32(R), "score_metrics": T.json().metric()}, group="reward", cost=0.5)
+@op(outputs={"token_level_scores": T.float32(R), "score_metrics": T.json().metric()}, group="reward", cost=0.5,
+    vectorised=True)
 def score(responses: T.int64(R), response_mask: T.int64(R), *, micro_batch_size: int = 64):
     t0 = time.perf_counter()
     s = torch.zeros(responses.shape, dtype=torch.float32)
@@ -77,11 +81,17 @@ def score(responses: T.int64(R), response_mask: T.int64(R), *, micro_batch_size:
 
 
 @op(outputs={"advantages": T.float32(R), "adv_metrics": T.json().metric()}, granularity="group", group="advantage",
-    cost=0.2)
-def adv(token_level_scores: T.float32(R), response_mask: T.int64(R), *, micro_batch_size: int = 1):
+    cost=0.2, vectorised=True)
+def adv(token_level_scores: T.float32(R), response_mask: T.int64(R), *, micro_batch_size: int = 1, ctx=None):
+    """Normalised per group, all the call's groups at once (as the GRPO example's advantage op)."""
     t0 = time.perf_counter()
     per_row = token_level_scores.sum(dim=1)
-    a = (per_row - per_row.mean()) / (per_row.std() + 1e-6) if len(per_row) > 1 else per_row * 0
+    sizes = tuple(ctx.chunks) or (len(per_row),)
+    if len(set(sizes)) == 1 and sizes[0] > 1:  # groups of one size: one pass over a [groups, n] view
+        g = per_row.view(len(sizes), sizes[0])
+        a = ((g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + 1e-6)).reshape(-1)
+    else:
+        a = torch.cat([(x - x.mean()) / (x.std() + 1e-6) if len(x) > 1 else x * 0 for x in per_row.split(sizes)])
     return {"advantages": a.unsqueeze(1) * response_mask, "adv_metrics": _timed(t0)}
 
 
@@ -106,17 +116,18 @@ pipeline = Pipeline(
 
 
 def measure(rows: int, length: int, steps: int, plane: Any) -> dict[str, float]:
-    """Median per-step time, body time and column bytes of `steps` steps (the first two left out)."""
+    """Median per-step time, body time and column bytes of `steps` steps (the first two and the
+    last left out)."""
     import rlgraph
     from rlgraph.runtime.runner import Runner
 
     plan = rlgraph.compile(pipeline, [f"data.batch_size={rows // N}", f"gen.length={length}",
                                       f"gen.micro_batch_size={rows // N}", f"score.micro_batch_size={max(64, rows // 4)}"])
     with tempfile.TemporaryDirectory() as tmp:
-        with Runner(plan, common.quiet_runner_options(Path(tmp), steps=steps + 2), plane) as runner:
+        with Runner(plan, common.quiet_runner_options(Path(tmp), steps=steps + 3), plane) as runner:
             recs = runner.run()
             spans = runner.all_spans
-    ends = [r for r in recs[2:]]
+    ends = [r for r in recs[2:-1]]
     per_step, body, moved = [], [], []
     by_step: dict[int, int] = {}
     for s in spans:
@@ -148,7 +159,7 @@ def fit(points: list[dict[str, float]]) -> dict[str, float]:
 
 def run(quick: bool = False, argv: list[str] | None = None, steps: int | None = None,
         svg: Path | None = SVG) -> common.Section:
-    steps = steps or (2 if quick else 6)
+    steps = steps or (2 if quick else 10)
     plane = common.plane("transferqueue")
     grid = [(r, 16) for r in (QUICK_ROWS if quick else ROWS)]
     grid += [(256 if not quick else 64, n) for n in (QUICK_LENGTHS if quick else LENGTHS) if n != 16]

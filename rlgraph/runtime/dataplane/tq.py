@@ -212,7 +212,7 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         self._learn(metadata)
         return await super().get_data(metadata)
 
-    async def clear_data(self, metadata: BatchMeta) -> None:
+    async def clear_data(self, metadata: "BatchMeta | _Rows") -> None:
         self._learn(metadata)
         await super().clear_data(metadata)
 
@@ -281,6 +281,10 @@ class _Rows:
 
     global_indexes: list[int]
     custom_meta: list[dict[str, Any]]
+
+    @property
+    def size(self) -> int:
+        return len(self.global_indexes)
 
 
 def _tag(row: int, home: int | None) -> dict[str, Any]:
@@ -598,9 +602,23 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         return tuple(self._unit_nodes)
 
     def clear(self, partition: str) -> None:
+        known = self._rows.get(partition)
         self.forget(partition)
-        self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
+        if known is None:  # a partition this plane did not create: TQ finds its rows
+            self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
+        else:
+            self._run(self._clear_known(partition, list(known.values())), f"clear partition {partition!r}")
         self._created.discard(partition)
+
+    async def _clear_known(self, partition: str, rows: list[tuple[int, dict[str, Any]]]) -> None:
+        """Clear a partition whose rows this plane knows (it created it): the storage units' rows and
+        the controller's partition at once, one round trip. TQ's own clear makes four in turn (the
+        partition's rows asked of the controller, their production status zeroed for TQ's consumers,
+        which rlgraph does not use, the units, the controller): 4.9 ms of the driver's time a step.
+        The rows' indexes are free for a new partition only once both have answered."""
+        meta = _Rows([g for g, _ in rows], [tag for _, tag in rows])
+        await asyncio.gather(self._client.storage_manager.clear_data(meta),  # type: ignore[arg-type]
+                             self._client._clear_partition_in_controller(partition))  # TQ's own request
 
     def handle(self) -> TransferQueueHandle:
         return TransferQueueHandle(self._controller, self.config.op_timeout_s, self._unit_nodes, self._secret,
