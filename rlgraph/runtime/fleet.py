@@ -468,13 +468,11 @@ class Fleet:
                 except Exception:  # a dead actor: its memory went with it
                     pass
 
-    def produce(self, partition: str, rows: int, uid_start: int, validation: bool
-                ) -> tuple[list[int], list[bool], dict[str, float]]:
-        """Have the source write a step's first columns; returns the rows' group ids, padding tags and
-        the source's metrics of the batch."""
+    def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> Any:
+        """Have the source write a step's first columns; returns what to wait on (`result` gives the
+        rows' group ids, padding tags and the source's metrics of the batch)."""
         where = self.plane.addresses(partition, range(rows))
-        return self.get([self.source.produce.remote(partition, rows, uid_start, validation, where)],
-                        f"the data source to write partition {partition!r}")[0]
+        return self.source.produce.remote(partition, rows, uid_start, validation, where)
 
     def assemble(self, partition: str, picks: list[tuple[str, list[int]]], columns: list[str], padding: int,
                  pad_uid_start: int) -> None:

@@ -155,7 +155,7 @@ class Recovery:
         again = [(lv, call)]
         restarted = ""
         if action is Repair.RESTART_GROUP:  # then run again what the group had in flight, of every step
-            for ref in [r for r, w in inflight.items() if w[0] != "sync" and w[1].group == call.group]:
+            for ref in [r for r, w in inflight.items() if w[0] not in ("sync", "admit") and w[1].group == call.group]:
                 key, c = inflight.pop(ref)
                 again.append((live[key], c))
             lv.rec.restarts += self.fleet.restart([call.group])

@@ -118,5 +118,7 @@ class LiveStep:
 
 def describe_inflight(inflight: dict[Any, Any]) -> list[str]:
     """What the event loop waits for, for people: each call in flight, each weight sync."""
-    return sorted({f"step {k[0]}: {k[1].chunk.op}{[c.index for c in k[1].chunks]} on {k[1].group}[{k[1].rank}]"
-                   if k[0] != "sync" else f"weight sync of {k[1]!r} to {k[2]!r}" for k in inflight.values()})
+    return sorted({f"weight sync of {k[1]!r} to {k[2]!r}" if k[0] == "sync" else
+                   f"the data source filling {k[1].partition!r}" if k[0] == "admit" else
+                   f"step {k[0]}: {k[1].chunk.op}{[c.index for c in k[1].chunks]} on {k[1].group}[{k[1].rank}]"
+                   for k in inflight.values()})

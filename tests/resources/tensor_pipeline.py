@@ -9,7 +9,7 @@ Padding rows score 1000, so a metric that included them would show it.
 
 import torch
 
-from rlgraph import Cluster, DataSource, Pipeline, T, WorkerGroup, op
+from rlgraph import Cluster, DataSource, Param, Pipeline, T, WorkerGroup, op
 
 L = "len"
 
@@ -20,8 +20,11 @@ class CountSource:
     def __init__(self, config, seed):
         self.seed = seed
         self.position = 0
+        self.fail_at = int(config.get("fail_at", -1))  # a batch starting here raises (tests of a failing source)
 
     def next_batch(self, batch_size):
+        if self.position == self.fail_at:
+            raise RuntimeError(f"the source was told to fail at position {self.position}")
         rows = []
         for i in range(batch_size):
             g = torch.Generator().manual_seed(self.seed * 100_003 + self.position + i)
@@ -87,7 +90,8 @@ def update(advantages: T.float32(L), mask: T.int64(L), w: T.float32().state(), *
 
 pipeline = Pipeline(
     name="tensor_ppo",
-    source=DataSource(columns={"x": T.float32("xlen")}, impl=CountSource),
+    source=DataSource(columns={"x": T.float32("xlen")}, impl=CountSource,
+                      params={"fail_at": Param(int, -1, "a batch starting at this position raises")}),
     ops=[gen, score, values, adv, update],
     groups=[WorkerGroup("actor", num_cpus=0.5), WorkerGroup("reward", num_cpus=0.5),
             WorkerGroup("critic", num_cpus=0.5), WorkerGroup("adv", num_cpus=0.25)],
