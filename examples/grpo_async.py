@@ -3,10 +3,12 @@
 ``grpo.py``'s task, model and algorithm, derived from it with the DSL's ``with_*`` methods:
 generation moves to a worker group of its own (``rollout``, its own copy of the weights, synced
 from ``update_actor``), so step t+1's prompts are generated while step t is scored and trained,
-by a policy one update older than the one trained. ``old_logprob`` recomputes the log-probs with
-the current policy (the proximal policy), and the update corrects for the older behaviour policy
-with decoupled PPO (``actor.decoupled_cap``). ``trainer.max_staleness=0`` runs the same graph
-on-policy.
+by a policy one update older than the one trained. The reference pass runs beside generation, in
+the same call (the frozen reference model is the rollout worker's to hold), so the actor's core
+only trains. The update corrects for the older behaviour policy with decoupled PPO
+(``actor.decoupled_cap``): its proximal log-probs are the current policy's, which the update's
+own forward gives (one optimizer step per step: the compiler leaves ``old_logprob`` out).
+``trainer.max_staleness=0`` runs the same graph on-policy.
 
     rlgraph run examples/grpo_async.py -o runs/grpo_async
     rlgraph run examples/grpo_async.py -o runs/grpo_k0 trainer.max_staleness=0   # on-policy, same graph
@@ -24,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo import pipeline as grpo  # noqa: E402  (its prepare hook builds and warm-starts the model)
 
 pipeline = replace(
-    grpo.with_ops(stages.generate(group="rollout"))
-    .with_groups(WorkerGroup("rollout", dp=1, num_cpus=1, doc="generation with its own copy of the policy"),
-                 WorkerGroup("actor", dp=1, num_cpus=1, doc="policy: old (proximal) log-probs, reference, update"))
+    grpo.with_ops(stages.generate(group="rollout"), stages.ref(group="rollout"))
+    .with_groups(WorkerGroup("rollout", dp=1, num_cpus=1, doc="generation with its own copy of the policy; "
+                             "the reference log-probs"),
+                 WorkerGroup("actor", dp=1, num_cpus=1, doc="policy: the update (its forward gives the proximal "
+                             "log-probs)"))
     .with_config(actor={"decoupled_cap": 5.0}, trainer={"max_staleness": 1}),
     name="grpo_async",
 )

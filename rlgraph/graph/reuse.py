@@ -8,8 +8,11 @@ computes anyway: the update takes them from its forward, detached (TRL's GRPOTra
 same with ``num_iterations=1``; the ratio is 1 and the gradient is verl's).
 
 An op declares what it can compute itself with ``OpSpec(recomputes=...)``, a function of its
-params (the actor's update: ``old_log_probs``, unless truncated importance sampling or decoupled
-PPO need them before the first forward). A producer P of such a column is left out of the plan
+params (the actor's update: ``old_log_probs``). Truncated importance sampling then weighs each
+micro-batch's tokens by that forward's log-probs; decoupled PPO's proximal log-probs, whose cap
+drops tokens and so changes the loss's normaliser, come from the forward when it sees every row
+of the update (one rank, one micro-batch), else from a no-grad pass the update makes in its own
+call (no dispatch, no data plane). A producer P of such a column is left out of the plan
 when all of these hold:
 
 - ``trainer.reuse_forward`` is true (the default);

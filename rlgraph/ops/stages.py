@@ -664,8 +664,9 @@ def _validate_actor(params: Mapping[str, Any], connected: frozenset[str],
 
 def _actor_recomputes(params: Mapping[str, Any]) -> set[str]:
     # old log-probs from the update's first forward (one optimizer step per training step); truncated IS
-    # and decoupled PPO weigh tokens by them before that forward
-    return set() if params.get("tis_cap") or params.get("decoupled_cap") else {"old_log_probs"}
+    # weighs each micro-batch's tokens by that forward's, decoupled PPO too when the forward sees every row
+    # (else the update makes the proximal pass itself, in its own call: update_actor)
+    return {"old_log_probs"}
 
 
 def _actor_uses(params: Mapping[str, Any]) -> set[str]:

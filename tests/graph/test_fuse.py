@@ -33,10 +33,16 @@ def test_the_actor_s_forward_passes_run_inside_generation_s_calls(ppo, grpo):
     assert _fused(compile(ppo, ["trainer.fuse_ops=false"])) == {}
 
 
-def test_a_rollout_group_of_its_own_fuses_nothing_into_generation():
-    # asynchronous training: generate runs on 'rollout', ref and old_logprob on 'actor'
+def test_a_rollout_group_of_its_own_fuses_only_what_runs_on_it():
+    # asynchronous training: generate and ref run on 'rollout', the update on 'actor'
     pipeline, _ = load_pipeline("examples/grpo_async.py")
     plan = compile(pipeline)
+    assert plan.op("generate").group == plan.op("ref").group == "rollout"
+    assert _fused(plan) == {"ref": "generate", "advantage": "reward"}
+    # the reference on the actor's group: nothing follows generation on the rollout group
+    from rlgraph.ops import stages
+
+    plan = compile(pipeline.with_ops(stages.ref(group="actor")))
     assert plan.op("generate").group != plan.op("ref").group
     assert _fused(plan) == {"advantage": "reward"}  # only the reward's chain, as in examples/grpo.py
 

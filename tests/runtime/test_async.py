@@ -111,6 +111,24 @@ def test_resume_before_the_first_update_sends_the_rollout_back_to_the_initial_we
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+def test_the_update_s_proximal_log_probs_are_the_separate_pass_s(model_dir, tq_plane, tmp_path, baseline):
+    # decoupled PPO with one optimizer step per step: the compiler leaves old_logprob out and the update takes
+    # the proximal log-probs from its own forward. With the pass kept (trainer.reuse_forward=false) the same
+    # samples get the same behaviour weights, drops and losses, one update old from step 1 on
+    records, _ = baseline
+    kept_plan = _plan(model_dir, "trainer.reuse_forward=false")
+    assert "old_logprob" in _plan(model_dir).reused and "old_logprob" in [o.name for o in kept_plan.ops]
+    kept = _run(kept_plan, tmp_path, tq_plane, steps=4)
+    for a, b in zip(records, kept):
+        assert a["score/mean"] == b["score/mean"]
+        for key in ("loss", "pg_loss", "grad_norm", "behaviour_weight_mean", "behaviour_dropped_frac"):
+            name = f"update_actor/actor_metrics/{key}"
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+    assert any(r["update_actor/actor_metrics/behaviour_weight_mean"] != 1.0 for r in records[1:])  # off-policy
+
+
+@pytest.mark.ray
 def test_max_staleness_zero_is_on_policy_and_schedules_agree(model_dir, tq_plane, tmp_path):
     plan = _plan(model_dir, "trainer.max_staleness=0")
     stream = _run(plan, tmp_path / "stream", tq_plane, steps=3)

@@ -25,8 +25,9 @@ STATEFUL = {"actor": True, "rollout": True, "reward": False, "advantage": False}
 
 def _plan(*overrides):
     pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo_async.py"))
-    return compile(pipeline, ["data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", *overrides],
-                   pipeline_ref=ref)
+    # reuse_forward=false keeps old_logprob: an op of the actor's group that reads the weights the update writes
+    return compile(pipeline, ["data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4",
+                              "trainer.reuse_forward=false", *overrides], pipeline_ref=ref)
 
 
 def _drive(plan, steps, seed=None):

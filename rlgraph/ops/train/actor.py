@@ -50,6 +50,15 @@ _ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "cpu_kv_c
                    "sleep_mode")
 
 
+def _one_forward(ctx: Any, rows: int, tokens: int, budget: int) -> bool:
+    """Whether the engine runs this rank's update as one forward over all its rows (one mini-batch
+    of one epoch, one micro-batch, one rank): the engine's own split (`TrainEngine._micro_batches`)."""
+    b = ctx.batching
+    if b is None or ctx.dp != 1 or b.updates_per_step != 1:
+        return False
+    return tokens <= budget if budget else rows <= b.micro_batch_size
+
+
 class ActorWorker(TrainerMixin):
     """Policy model on one rank; reference model loaded on first use; a vLLM engine on demand."""
 
@@ -304,6 +313,9 @@ class ActorWorker(TrainerMixin):
         if self.rollout_engine is not None:
             self.rollout_engine.sleep()  # on a GPU shared with the engine: free its memory while training
         staleness = self._staleness(policy_version, policy_version_end, ctx)
+        proximal = old_log_probs is None and decoupled_cap > 0  # decoupled PPO, its proximal pass left out
+        if proximal and ctx.dp > 1:  # before the rows move between ranks: take them from a pass of its own
+            old_log_probs = self._proximal(input_ids, attention_mask, ctx, max_tokens_per_micro_batch)
         # padding rows have response_mask 0, and rows dropped this step (e.g. a failed reward) arrive
         # tagged as padding: no loss, no gradient, not in the token counts
         rows = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
@@ -331,12 +343,22 @@ class ActorWorker(TrainerMixin):
         batch = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
                  "position_ids": packed.position_ids, "response_mask": mask, "real_mask": packed.response_mask,
                  "advantages": advantages[:, :R], "seq_tokens": cost}
-        if old_log_probs is not None:
-            batch["old_log_probs"] = old_log_probs[:, :R]
-        elif ctx.batching is None or ctx.batching.updates_per_step != 1:  # the compiler never plans this
-            raise OpError(f"{ctx.op}: no old_log_probs, and this update makes "
+        if old_log_probs is None and (ctx.batching is None or ctx.batching.updates_per_step != 1):
+            raise OpError(f"{ctx.op}: no old_log_probs, and this update makes "  # the compiler never plans this
                           f"{ctx.batching.updates_per_step if ctx.batching else '?'} optimizer steps per training "
                           f"step; its own forward gives them only for one. Add stages.old_logprob() to the pipeline")
+        # the corrections that weigh tokens by old log-probs take them from the forward when the update has
+        # none: truncated IS per micro-batch; decoupled PPO only when its one forward sees every row, since the
+        # tokens it drops change the loss's normaliser, which the engine needs before the first micro-batch
+        in_forward = old_log_probs is None and (tis_cap > 0 or decoupled_cap > 0)
+        if proximal and old_log_probs is None and not _one_forward(ctx, len(cost), int(cost.sum()),
+                                                                 max_tokens_per_micro_batch):
+            old_log_probs = self._proximal(input_ids, attention_mask, ctx, max_tokens_per_micro_batch)
+            in_forward = tis_cap > 0
+        if old_log_probs is not None:
+            batch["old_log_probs"] = old_log_probs[:, :R]
+        if in_forward:
+            batch["rollout_log_probs"] = rollout_log_probs[:, :R].float()
         if use_kl_loss:
             batch["ref_log_prob"] = ref_log_prob[:, :R]
         if distill_coef:  # the teacher's top-k next tokens and their log-probs, [rows, R, k]
@@ -344,9 +366,9 @@ class ActorWorker(TrainerMixin):
             ids, lps, ok = usable_ids(rows["teacher_topk_ids"][:, :R].long(),
                                       rows["teacher_topk_log_probs"][:, :R].float(), self.vocab_size)
             batch["teacher_topk_ids"], batch["teacher_topk_log_probs"], batch["teacher_topk_ok"] = ids, lps, ok
-        if tis_cap > 0:  # truncated importance sampling: trainer vs rollout engine, per token
+        if tis_cap > 0 and not in_forward:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
-        if decoupled_cap > 0:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
+        if decoupled_cap > 0 and not in_forward:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
             w, keep = decoupled_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), decoupled_cap)
             kept_before = mask.sum()
             batch["is_weights"] = w
@@ -363,6 +385,20 @@ class ActorWorker(TrainerMixin):
             # is the old log-probs (rlgraph.graph.reuse left the separate pass out)
             old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
             m = mb["response_mask"]
+            extra: dict[str, float] = {}
+            if in_forward:
+                mb = dict(mb)
+                if tis_cap > 0:
+                    mb["is_weights"] = truncated_is_weights(old, mb["rollout_log_probs"], tis_cap)
+                else:  # the whole batch in this forward (`_one_forward`): drops, then the normalisers
+                    if int(m.shape[0]) != len(cost):
+                        raise InvariantError(f"{ctx.op}: decoupled PPO's proximal log-probs from the update's forward "
+                                             f"need all {len(cost)} rows in one micro-batch, got {int(m.shape[0])}")
+                    w, keep = decoupled_weights(old, mb["rollout_log_probs"], decoupled_cap)
+                    before = m.sum()
+                    mb["is_weights"], m = w, m * keep.to(m.dtype)
+                    global_tokens, global_seqs = max(int((m != 0).sum()), 1), max(int((m != 0).any(dim=1).sum()), 1)
+                    extra["behaviour_dropped_frac"] = float(1 - m.sum() / before) if before > 0 else 0.0
             if loss_mode == "gspo":  # sequence-level ratio, aggregated seq-mean-token-mean
                 pg = gspo_policy_loss(logp, old, mb["advantages"], m, clip_ratio_low=clip_ratio_low,
                                       clip_ratio_high=clip_ratio_high, global_seqs=global_seqs,
@@ -381,6 +417,7 @@ class ActorWorker(TrainerMixin):
             if "is_weights" in mb:  # truncated IS or decoupled PPO's behaviour weights
                 key = "behaviour_weight_mean" if decoupled_cap > 0 else "tis_weight_mean"
                 metrics[key] = float(masked_mean(mb["is_weights"], m))
+            metrics.update(extra)
             if entropy_coeff:
                 loss = loss - entropy_coeff * agg_loss(ent_mat, m, loss_agg_mode, global_tokens, global_seqs)
                 metrics["entropy"] = float(agg_loss(ent_mat.detach(), m, loss_agg_mode))
@@ -409,6 +446,14 @@ class ActorWorker(TrainerMixin):
         # policy's merged copy would be a whole model more in memory)
         return {"actor_metrics": metrics,
                 "policy_weights": self._weights(ctx.step, with_state="policy_weights" in ctx.exported)}
+
+    def _proximal(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, ctx: Any,
+                  budget: int) -> torch.Tensor:
+        """Decoupled PPO's proximal log-probs (this policy, before the update) in a pass of the update's
+        own: what the old_logprob op the compiler left out would have computed, without its call."""
+        with torch.no_grad():
+            logp, _ = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=False, budget=budget)
+        return logp
 
     def _staleness(self, policy_version: torch.Tensor | None, policy_version_end: torch.Tensor | None,
                    ctx: Any) -> dict[str, float]:

@@ -221,3 +221,45 @@ def test_the_dense_distillation_loss_is_gkd_s_divergence_to_the_teacher(model_di
     after = w.update_actor(**cols, teacher_topk_ids=top_ids, teacher_topk_log_probs=top_lp, distill_coef=2.0,
                            distill_beta=0.3, ctx=ctx_for(model_dir, **options), **update_args)["actor_metrics"]
     assert after["loss"] < out["loss"]  # one step towards the teacher
+
+
+@pytest.mark.parametrize("micro,budget", [(B, 0), (2, 0), (B, 12)])  # one forward; micro-batches; token budget
+@pytest.mark.parametrize("correction", ["tis_cap", "decoupled_cap"])
+def test_rollout_corrections_without_old_log_probs_equal_the_separate_pass(model_dir, monkeypatch, correction,
+                                                                          micro, budget):
+    # the compiler leaves old_logprob out (rlgraph.graph.reuse): truncated IS weighs each micro-batch by its own
+    # forward; decoupled PPO takes its proximal log-probs from the forward when it sees every row, else from a pass
+    # the update makes itself. Either way the gradient and the drops are those of the separate pass
+    cols = batch(seed=1)
+    lp_cols = {k: cols[k] for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")}
+    probe = worker(model_dir)
+    old = probe.compute_log_prob(**lp_cols, compare_rollout=False, ctx=ctx_for(model_dir, "old_logprob"))
+    old = old["old_log_probs"]
+    # a behaviour policy off by up to ~2 nats per token: with cap 2, some tokens' weights exceed it
+    noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
+    rollout = (old + noise * cols["response_mask"][:, :old.shape[1]]).detach()
+    settings = {**UPDATE, correction: 2.0, "max_tokens_per_micro_batch": budget}
+    grads = recorded_gradients(monkeypatch)
+    passes = []
+    proximal = ActorWorker._proximal
+    monkeypatch.setattr(ActorWorker, "_proximal", lambda self, *a: passes.append(1) or proximal(self, *a))
+    out = {}
+    for name, given in (("separate", old), ("own", None)):
+        w = worker(model_dir)
+        ref = w.compute_ref_log_prob(**lp_cols, ctx=ctx_for(model_dir, "ref"))["ref_log_prob"]
+        extra = {"old_log_probs": given} if given is not None else {}
+        out[name] = w.update_actor(**cols, ref_log_prob=ref, rollout_log_probs=rollout, **extra,
+                                   ctx=ctx_for(model_dir, micro=micro), **settings)["actor_metrics"]
+    (g_sep,), (g_own,) = grads[:1], grads[1:]
+    for a, b in zip(g_own, g_sep):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    weight = "tis_weight_mean" if correction == "tis_cap" else "behaviour_weight_mean"
+    for key in ("loss", "grad_norm", weight):
+        assert out["own"][key] == pytest.approx(out["separate"][key], rel=1e-5, abs=1e-6), key
+    if correction == "decoupled_cap":
+        dropped = out["separate"]["behaviour_dropped_frac"]
+        assert 0.05 < dropped < 0.9 and out["own"]["behaviour_dropped_frac"] == pytest.approx(dropped, abs=1e-6)
+        assert out["own"]["micro_batches"] == out["separate"]["micro_batches"]
+    # a pass of the update's own only where the forward does not see every row (decoupled PPO's drops)
+    one_forward = (budget == 0 and micro == B) or (budget and out["own"]["micro_batches"] == 1)
+    assert len(passes) == (correction == "decoupled_cap" and not one_forward)
