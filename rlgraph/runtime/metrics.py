@@ -170,6 +170,7 @@ def step_record(lv: LiveStep, plan: Plan, schedule: str, idle: IdleClock | None 
         m["dataplane/cross_node_bytes"] = remote
         m["dataplane/cross_node_frac"] = remote / (local + remote)
     m["timing/state_sync_s"] = rec.sync_s
+    m["timing/step_end"] = lv.t1  # the driver's clock (Unix time): gaps between step ends, to the microsecond
     if lv.training and idle is not None:
         m.update(idle.record(rec.spans))
     if retries is not None:
