@@ -8,7 +8,9 @@ data-plane process paid before `rlgraph.runtime.dataplane.lean`) and rlgraph wit
 ``tq.init`` orders them, not beside it), so the machine's noise falls on all alike. The table gives medians over the runs of: start-up (process start to the first
 step's start, as in the TRL comparison), each phase line the run prints, and the CPU time the
 whole machine spent until the first step's end (all processes: Ray's, the workers', TQ's; from
-/proc/stat), which shows whether start-up is bound by the CPU.
+/proc/stat), which shows whether start-up is bound by the CPU. The second table splits that CPU time by
+process (each process's user and system time at step 0's end, from /proc, sampled every 0.1 s
+until then; the processes a run starts, by kind).
 """
 
 from __future__ import annotations
@@ -44,6 +46,54 @@ def _busy_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+# what each process of a run is, from its command line (first match): the per-process CPU table
+KINDS = (("policy and reward workers", "ray::GroupWorker"), ("data source", "ray::SourceWorker"),
+         ("TransferQueue controller", "ray::TransferQueueController"),
+         ("TransferQueue storage unit", "ray::SimpleStorageUnit"),
+         ("Ray: dashboard head and agent, runtime-env agent", ("dashboard.py", "ray::DashboardAgent",
+                                                              "ray::RuntimeEnvAgent")),
+         ("Ray: log monitor and autoscaler monitor", ("log_monitor.py", "autoscaler/_private/monitor.py")),
+         ("Ray: GCS and raylet", ("gcs_server", "raylet/raylet")))
+
+
+class _ProcessCPU:
+    """CPU seconds of every process started after it was made, by kind (`KINDS`; the driver by pid),
+    read from /proc: each process's latest user + system time seen, so one that exited keeps its last."""
+
+    def __init__(self) -> None:
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.before = set(self._pids())
+        self.seen: dict[int, tuple[str, float]] = {}
+
+    @staticmethod
+    def _pids() -> list[int]:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+    def sample(self) -> None:
+        for pid in self._pids():
+            if pid in self.before:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            self.seen[pid] = (cmd or self.seen.get(pid, ("", 0.0))[0], (int(fields[11]) + int(fields[12])) / self.tick)
+
+    def by_kind(self, driver: int) -> dict[str, tuple[int, float]]:
+        """Kind -> (processes, CPU seconds)."""
+        out: dict[str, list[float]] = {}
+        for pid, (cmd, cpu) in self.seen.items():
+            kind = "driver (rlgraph run)" if pid == driver else next(
+                (name for name, marks in KINDS if any(m in cmd for m in ((marks,) if isinstance(marks, str) else marks))),
+                "other (the reaper, graphviz, short helpers)")
+            out.setdefault(kind, []).append(cpu)
+        return {k: (len(v), sum(v)) for k, v in out.items()}
+
+
 def _prepare() -> None:
     from benchmarks.trl_peer import _model
 
@@ -54,6 +104,7 @@ def _one(env: dict[str, str], out: Path, steps: int) -> dict[str, Any]:
     cmd = [str(common.ROOT / ".venv" / "bin" / "rlgraph"), "run", str(common.ROOT / "examples" / "grpo.py"), "-o",
            str(out), "--overwrite", "--steps", str(steps)]
     metrics = out / "metrics.jsonl"
+    procs = _ProcessCPU()
     t0, busy0 = time.time(), _busy_s()
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -61,12 +112,17 @@ def _one(env: dict[str, str], out: Path, steps: int) -> dict[str, Any]:
         proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=f, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, **env})
         first_end = busy_at_first = None
+        polls = 0
         while proc.poll() is None:
             if time.time() - t0 > TIMEOUT_S:
                 proc.kill()
                 raise RuntimeError(f"rlgraph run did not end within {TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
             if first_end is None and metrics.is_file() and metrics.read_bytes().count(b"\n") >= 1:
                 first_end, busy_at_first = time.time(), _busy_s()
+                procs.sample()  # each process's CPU at step 0's end
+            elif first_end is None and polls % 5 == 0:  # every 0.1 s: processes that end early keep their last
+                procs.sample()
+            polls += 1
             time.sleep(0.02)
     if proc.returncode != 0:
         raise RuntimeError(f"rlgraph run failed:\n{log.read_text()[-3000:]}")
@@ -75,7 +131,7 @@ def _one(env: dict[str, str], out: Path, steps: int) -> dict[str, Any]:
     if first_end is None:
         first_end, busy_at_first = time.time(), _busy_s()
     got = {"start-up": first_end - t0 - records[0]["timing/step_s"], "cpu": busy_at_first - busy0,
-           "wall to step 0's end": first_end - t0}
+           "wall to step 0's end": first_end - t0, "processes": procs.by_kind(proc.pid)}
     for name, pattern in PHASES.items():
         m = re.search(pattern, text)
         got[name] = float(m.group(1)) if m else float("nan")
@@ -98,6 +154,16 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
             k, f"{k} (s)")
         table.add(label, *[statistics.median(x[k] for x in got[name]) for name in VARIANTS])
     table.print()
+    kinds = [k for k in ["driver (rlgraph run)", *(name for name, _ in KINDS), "other (the reaper, graphviz, short helpers)"]
+             if any(k in x["processes"] for x in got["rlgraph"])]
+    per_process = common.Table(["process", "processes", "CPU seconds to step 0's end"],
+                               title="Where the CPU goes: rlgraph's processes, median of its runs")
+    for k in kinds:
+        per_process.add(k, statistics.median(x["processes"].get(k, (0, 0.0))[0] for x in got["rlgraph"]),
+                        statistics.median(x["processes"].get(k, (0, 0.0))[1] for x in got["rlgraph"]))
+    per_process.print()
+    spent = ", ".join(f"{k} {statistics.median(x['processes'].get(k, (0, 0.0))[1] for x in got['rlgraph']):.1f} s"
+                      for k in kinds)
     lean, full, late = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
     cores = os.cpu_count() or 1
     cpu = statistics.median(x["cpu"] for x in got["rlgraph"])
@@ -108,8 +174,10 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
              f"{wall:.1f} s: start-up is bound by the CPU (seven Python processes each import torch; the actor "
              f"imports transformers' model code, the driver, data source and reward worker only its tokenizers), so it "
              f"shortens by what the processes stop doing, not by starting them in another order. "
+             f"By process: {spent}. "
              f"Target (issue 25): 8 s.")
-    return common.Section("startup", "17. Start-up, phase by phase", __doc__.split("\n\n", 1)[1], [table], notes,
+    return common.Section("startup", "17. Start-up, phase by phase", __doc__.split("\n\n", 1)[1], [table, per_process],
+                          notes,
                           common.command_line(argv or ["startup"]))
 
 
