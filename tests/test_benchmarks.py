@@ -16,11 +16,21 @@ from benchmarks import common, sim
 pytestmark = pytest.mark.timeout(900)
 
 
-def table_rows(text: str, name: str) -> list[list[str]]:
-    """The rows of the first markdown table inside section `name` of `text`."""
+def table_rows(text: str, name: str, index: int | None = None) -> list[list[str]]:
+    """The rows of the markdown tables inside section `name` of `text`, one after another; with
+    `index`, of that table only (0: the first)."""
     block = text.split(f"<!-- bench:{name}:start -->")[1].split(f"<!-- bench:{name}:end -->")[0]
-    lines = [ln for ln in block.splitlines() if ln.startswith("|")]
-    assert len(lines) >= 3, f"section {name} has no table:\n{block}"
+    tables: list[list[str]] = []
+    last = False
+    for ln in block.splitlines():
+        row = ln.startswith("|")
+        if row and not last:
+            tables.append([])
+        if row:
+            tables[-1].append(ln)
+        last = row
+    lines = [ln for t in tables for ln in t] if index is None else tables[index] if index < len(tables) else []
+    assert len(lines) >= 3, f"section {name} has no table {'' if index is None else index}:\n{block}"
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
 
 
@@ -263,12 +273,19 @@ def test_startup_quick(tmp_path):
 
     doc = tmp_path / "perf.md"
     common.write_section(startup.run(quick=True), doc)
-    rows = table_rows(doc.read_text(), "startup")
+    rows = table_rows(doc.read_text(), "startup", 0)
     head, *body = [r for i, r in enumerate(rows) if i != 1]
     assert head[1:] == ["rlgraph", "tensordict as it is", "TQ's units after its controller"]
     got = {b[0]: [num(c) for c in b[1:]] for b in body}
     assert len(got) == 7 and all(v > 0 for vs in got.values() for v in vs)
     assert got["start-up to the first step (s)"][0] < got["wall to step 0's end (s)"][0]
+    # the CPU by process: the driver, the two workers, the source, TransferQueue's two actors, Ray's own
+    head, *body = [r for i, r in enumerate(table_rows(doc.read_text(), "startup", 1)) if i != 1]
+    procs = {b[0]: (num(b[1]), num(b[2])) for b in body}
+    assert procs["driver (rlgraph run)"][0] == 1 and procs["policy and reward workers"][0] == 2
+    assert procs["data source"][0] == procs["TransferQueue controller"][0] == 1
+    assert all(cpu > 0 for _, cpu in procs.values())
+    assert sum(cpu for _, cpu in procs.values()) <= 1.05 * got["CPU seconds, all processes, to step 0's end"][0]
 
 
 @pytest.mark.bench
