@@ -56,6 +56,13 @@ KINDS = (("policy and reward workers", "ray::GroupWorker"), ("data source", "ray
          ("Ray: GCS and raylet", ("gcs_server", "raylet/raylet")))
 
 
+OTHER = "other (the reaper, graphviz, short helpers)"
+
+
+def _marks(marks: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (marks,) if isinstance(marks, str) else marks
+
+
 class _ProcessCPU:
     """CPU seconds of every process started after it was made, by kind (`KINDS`; the driver by pid),
     read from /proc: each process's latest user + system time seen, so one that exited keeps its last."""
@@ -88,8 +95,7 @@ class _ProcessCPU:
         out: dict[str, list[float]] = {}
         for pid, (cmd, cpu) in self.seen.items():
             kind = "driver (rlgraph run)" if pid == driver else next(
-                (name for name, marks in KINDS if any(m in cmd for m in ((marks,) if isinstance(marks, str) else marks))),
-                "other (the reaper, graphviz, short helpers)")
+                (name for name, marks in KINDS if any(m in cmd for m in _marks(marks))), OTHER)
             out.setdefault(kind, []).append(cpu)
         return {k: (len(v), sum(v)) for k, v in out.items()}
 
@@ -154,7 +160,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
             k, f"{k} (s)")
         table.add(label, *[statistics.median(x[k] for x in got[name]) for name in VARIANTS])
     table.print()
-    kinds = [k for k in ["driver (rlgraph run)", *(name for name, _ in KINDS), "other (the reaper, graphviz, short helpers)"]
+    kinds = [k for k in ["driver (rlgraph run)", *(name for name, _ in KINDS), OTHER]
              if any(k in x["processes"] for x in got["rlgraph"])]
     per_process = common.Table(["process", "processes", "CPU seconds to step 0's end"],
                                title="Where the CPU goes: rlgraph's processes, median of its runs")

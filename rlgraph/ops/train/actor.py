@@ -368,7 +368,8 @@ class ActorWorker(TrainerMixin):
             batch["teacher_topk_ids"], batch["teacher_topk_log_probs"], batch["teacher_topk_ok"] = ids, lps, ok
         if tis_cap > 0 and not in_forward:  # truncated importance sampling: trainer vs rollout engine, per token
             batch["is_weights"] = truncated_is_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), tis_cap)
-        if decoupled_cap > 0 and not in_forward:  # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
+        # decoupled PPO: ratio against the proximal policy, behaviour weights, cap drops
+        if decoupled_cap > 0 and not in_forward:
             w, keep = decoupled_weights(old_log_probs[:, :R], rollout_log_probs[:, :R].float(), decoupled_cap)
             kept_before = mask.sum()
             batch["is_weights"] = w
