@@ -54,7 +54,7 @@ def _one_forward(ctx: Any, rows: int, tokens: int, budget: int) -> bool:
     """Whether the engine runs this rank's update as one forward over all its rows (one mini-batch
     of one epoch, one micro-batch, one rank): the engine's own split (`TrainEngine._micro_batches`)."""
     b = ctx.batching
-    if b is None or ctx.dp != 1 or b.updates_per_step != 1:
+    if b is None or ctx.dp != 1 or b.updates_per_step != 1 or rows > max(1, (b.rank_mini_batch or [rows])[0]):
         return False
     return tokens <= budget if budget else rows <= b.micro_batch_size
 
@@ -258,10 +258,12 @@ class ActorWorker(TrainerMixin):
                       at_ids=at_ids)
 
     def _log_probs(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   ctx: Any, with_entropy: bool, budget: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The call's rows in forward passes of at most `budget` tokens (0: one pass), ``[b, R]`` results."""
+                   ctx: Any, with_entropy: bool, budget: int = 0,
+                   rows_per_pass: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The call's rows in forward passes of at most `budget` tokens (0: of `rows_per_pass` rows; 0: one
+        pass), ``[b, R]`` results."""
         return score_rows(model, input_ids, attention_mask, ctx.lengths["response_len"], self.tokenizer.pad_token_id,
-                          self.temperature, self.chunk, self.packing, budget, with_entropy)
+                          self.temperature, self.chunk, self.packing, budget, with_entropy, rows_per_pass)
 
     def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                          responses: torch.Tensor, response_mask: torch.Tensor,
@@ -354,7 +356,7 @@ class ActorWorker(TrainerMixin):
         if proximal and old_log_probs is None and not _one_forward(ctx, len(cost), int(cost.sum()),
                                                                  max_tokens_per_micro_batch):
             old_log_probs = self._proximal(input_ids, attention_mask, ctx, max_tokens_per_micro_batch)
-            in_forward = tis_cap > 0
+            in_forward = False
         if old_log_probs is not None:
             batch["old_log_probs"] = old_log_probs[:, :R]
         if in_forward:
@@ -389,7 +391,7 @@ class ActorWorker(TrainerMixin):
             extra: dict[str, float] = {}
             if in_forward:
                 mb = dict(mb)
-                if tis_cap > 0:
+                if not decoupled_cap:
                     mb["is_weights"] = truncated_is_weights(old, mb["rollout_log_probs"], tis_cap)
                 else:  # the whole batch in this forward (`_one_forward`): drops, then the normalisers
                     if int(m.shape[0]) != len(cost):
@@ -451,9 +453,13 @@ class ActorWorker(TrainerMixin):
     def _proximal(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, ctx: Any,
                   budget: int) -> torch.Tensor:
         """Decoupled PPO's proximal log-probs (this policy, before the update) in a pass of the update's
-        own: what the old_logprob op the compiler left out would have computed, without its call."""
+        own: what the old_logprob op the compiler left out would have computed, without its call. In
+        forwards of at most `budget` tokens, else of the update's micro-batch of rows (no more memory
+        than the update's own forwards)."""
+        rows = ctx.batching.micro_batch_size if ctx.batching is not None else 0
         with torch.no_grad():
-            logp, _ = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=False, budget=budget)
+            logp, _ = self._log_probs(self.model, input_ids, attention_mask, ctx, with_entropy=False, budget=budget,
+                                      rows_per_pass=rows)
         return logp
 
     def _staleness(self, policy_version: torch.Tensor | None, policy_version_end: torch.Tensor | None,

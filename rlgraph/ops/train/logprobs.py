@@ -142,19 +142,20 @@ def scored(model: Any, packed: Packed, temperature: float, chunk: int, packing: 
 @torch.no_grad()
 def score_rows(model: Any, input_ids: Tensor, attention_mask: Tensor, response_lengths: Sequence[int], pad_id: int,
                temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, packing: bool = False, budget: int = 0,
-               with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+               with_entropy: bool = False, rows_per_pass: int = 0) -> tuple[Tensor, Tensor | None]:
     """A forward-only op's scores of its rows (right-padded prompt + response, as ops receive them):
     float32 ``[b, R]`` log-probs (0 past each response) and entropy, in CPU memory. With `budget`, the
-    rows go through the model in passes of at most that many tokens (`balance.token_micro_batches`)."""
+    rows go through the model in passes of at most that many tokens (`balance.token_micro_batches`);
+    else, with `rows_per_pass`, in passes of that many rows."""
     s = score_rows_top_k(model, input_ids, attention_mask, response_lengths, pad_id, temperature, chunk, packing,
-                         budget, with_entropy)
+                         budget, with_entropy, rows_per_pass=rows_per_pass)
     return s.logp, s.entropy
 
 
 @torch.no_grad()
 def score_rows_top_k(model: Any, input_ids: Tensor, attention_mask: Tensor, response_lengths: Sequence[int],
                      pad_id: int, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK, packing: bool = False,
-                     budget: int = 0, with_entropy: bool = False, top_k: int = 0) -> Scores:
+                     budget: int = 0, with_entropy: bool = False, top_k: int = 0, rows_per_pass: int = 0) -> Scores:
     """`score_rows`, and with `top_k` the log-probs and ids of each position's `top_k` most likely tokens
     (``[b, R, k]``, k = min(top_k, vocabulary); 0 and id 0 past each response)."""
     from rlgraph.ops.train.engine.balance import token_micro_batches
@@ -162,9 +163,10 @@ def score_rows_top_k(model: Any, input_ids: Tensor, attention_mask: Tensor, resp
 
     resp = list(response_lengths)
     whole = repack(input_ids, attention_mask, resp, pad_id)
-    parts = token_micro_batches(attention_mask.sum(dim=1).tolist(), budget) if budget else \
-        [list(range(input_ids.shape[0]))]
     b, R = input_ids.shape[0], whole.response_width
+    step = rows_per_pass if 0 < rows_per_pass < b else b
+    parts = token_micro_batches(attention_mask.sum(dim=1).tolist(), budget) if budget else \
+        [list(range(i, min(i + step, b))) for i in range(0, b, step)]
     logp = torch.zeros((b, R))
     ent = torch.zeros((b, R)) if with_entropy else None
     side_lp = side_ids = None

@@ -223,10 +223,17 @@ def test_the_dense_distillation_loss_is_gkd_s_divergence_to_the_teacher(model_di
     assert after["loss"] < out["loss"]  # one step towards the teacher
 
 
-@pytest.mark.parametrize("micro,budget", [(B, 0), (2, 0), (B, 12)])  # one forward; micro-batches; token budget
+@pytest.mark.parametrize("micro,budget,loss_mode", [
+    (B, 0, "vanilla"),  # one forward over every row
+    (2, 0, "vanilla"),  # micro-batches of rows
+    (B, 12, "vanilla"),  # a token budget that splits the rows
+    (B, 10_000, "vanilla"),  # a token budget that holds them all: one forward
+    (B, 0, "gspo"),  # sequence-level ratio: the sequence count, too, after the drops
+    (2, 0, "gspo"),
+])
 @pytest.mark.parametrize("correction", ["tis_cap", "decoupled_cap"])
 def test_rollout_corrections_without_old_log_probs_equal_the_separate_pass(model_dir, monkeypatch, correction,
-                                                                          micro, budget):
+                                                                          micro, budget, loss_mode):
     # the compiler leaves old_logprob out (rlgraph.graph.reuse): truncated IS weighs each micro-batch by its own
     # forward; decoupled PPO takes its proximal log-probs from the forward when it sees every row, else from a pass
     # the update makes itself. Either way the gradient and the drops are those of the separate pass
@@ -237,8 +244,9 @@ def test_rollout_corrections_without_old_log_probs_equal_the_separate_pass(model
     old = old["old_log_probs"]
     # a behaviour policy off by up to ~2 nats per token: with cap 2, some tokens' weights exceed it
     noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
+    noise[1] = -3.0  # row 1 (one token) dropped whole: the sequence count changes too (GSPO normalises by it)
     rollout = (old + noise * cols["response_mask"][:, :old.shape[1]]).detach()
-    settings = {**UPDATE, correction: 2.0, "max_tokens_per_micro_batch": budget}
+    settings = {**UPDATE, correction: 2.0, "max_tokens_per_micro_batch": budget, "loss_mode": loss_mode}
     grads = recorded_gradients(monkeypatch)
     passes = []
     proximal = ActorWorker._proximal
@@ -251,6 +259,7 @@ def test_rollout_corrections_without_old_log_probs_equal_the_separate_pass(model
         out[name] = w.update_actor(**cols, ref_log_prob=ref, rollout_log_probs=rollout, **extra,
                                    ctx=ctx_for(model_dir, micro=micro), **settings)["actor_metrics"]
     (g_sep,), (g_own,) = grads[:1], grads[1:]
+    assert len(g_own) == len(g_sep) > 10
     for a, b in zip(g_own, g_sep):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     weight = "tis_weight_mean" if correction == "tis_cap" else "behaviour_weight_mean"
