@@ -47,9 +47,9 @@ def _busy_s() -> float:
 
 
 # what each process of a run is, from its command line (first match): the per-process CPU table
-KINDS = (("policy and reward workers", "ray::GroupWorker"), ("data source", "ray::SourceWorker"),
-         ("TransferQueue controller", "ray::TransferQueueController"),
-         ("TransferQueue storage unit", "ray::SimpleStorageUnit"),
+KINDS = (("policy and reward workers", ("ray::GroupWorker",)), ("data source", ("ray::SourceWorker",)),
+         ("TransferQueue controller", ("ray::TransferQueueController",)),
+         ("TransferQueue storage unit", ("ray::SimpleStorageUnit",)),
          ("Ray: dashboard head and agent, runtime-env agent", ("dashboard.py", "ray::DashboardAgent",
                                                               "ray::RuntimeEnvAgent")),
          ("Ray: log monitor and autoscaler monitor", ("log_monitor.py", "autoscaler/_private/monitor.py")),
@@ -57,10 +57,6 @@ KINDS = (("policy and reward workers", "ray::GroupWorker"), ("data source", "ray
 
 
 OTHER = "other (the reaper, graphviz, short helpers)"
-
-
-def _marks(marks: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (marks,) if isinstance(marks, str) else marks
 
 
 class _ProcessCPU:
@@ -95,7 +91,7 @@ class _ProcessCPU:
         out: dict[str, list[float]] = {}
         for pid, (cmd, cpu) in self.seen.items():
             kind = "driver (rlgraph run)" if pid == driver else next(
-                (name for name, marks in KINDS if any(m in cmd for m in _marks(marks))), OTHER)
+                (name for name, marks in KINDS if any(m in cmd for m in marks)), OTHER)
             out.setdefault(kind, []).append(cpu)
         return {k: (len(v), sum(v)) for k, v in out.items()}
 
@@ -164,12 +160,11 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
              if any(k in x["processes"] for x in got["rlgraph"])]
     per_process = common.Table(["process", "processes", "CPU seconds to step 0's end"],
                                title="Where the CPU goes: rlgraph's processes, median of its runs")
+    cpu_of = {k: statistics.median(x["processes"].get(k, (0, 0.0))[1] for x in got["rlgraph"]) for k in kinds}
     for k in kinds:
-        per_process.add(k, statistics.median(x["processes"].get(k, (0, 0.0))[0] for x in got["rlgraph"]),
-                        statistics.median(x["processes"].get(k, (0, 0.0))[1] for x in got["rlgraph"]))
+        per_process.add(k, statistics.median(x["processes"].get(k, (0, 0.0))[0] for x in got["rlgraph"]), cpu_of[k])
     per_process.print()
-    spent = ", ".join(f"{k} {statistics.median(x['processes'].get(k, (0, 0.0))[1] for x in got['rlgraph']):.1f} s"
-                      for k in kinds)
+    spent = ", ".join(f"{k} {cpu:.1f} s" for k, cpu in cpu_of.items())
     lean, full, late = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
     cores = os.cpu_count() or 1
     cpu = statistics.median(x["cpu"] for x in got["rlgraph"])

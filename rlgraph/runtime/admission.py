@@ -21,7 +21,7 @@ from rlgraph.runtime.step import VALIDATE, LiveStep, StepKey
 if TYPE_CHECKING:
     from rlgraph.runtime.runner import Runner
 
-__all__ = ["Admission", "admitted", "begin"]
+__all__ = ["Admission", "admitted", "begin", "pending"]
 
 
 @dataclass
@@ -36,6 +36,12 @@ class Admission:
     t0: float
     bytes0: int
     ref: Any  # the source's call
+
+
+def pending(inflight: dict[Any, Any]) -> list[Admission]:
+    """The admissions in the event loop's `inflight` (waitable -> ("admit", Admission), or a call's or
+    a sync's entry)."""
+    return [w[1] for w in inflight.values() if w[0] == "admit"]
 
 
 def begin(runner: Runner, key: StepKey, partition: str | None = None, ops: set[str] | None = None,

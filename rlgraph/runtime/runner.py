@@ -215,7 +215,7 @@ class Runner:
             # the loop goes on: on 64 rows it is 2.4 ms the driver no longer waits, on 4,096 rows 16
             nonlocal nxt
             while nxt is not None and len(live) < self.depth and not any(self._drains(lv.step) for lv in live.values()) \
-                    and not any(w[0] == "admit" for w in inflight.values()):
+                    and not admission.pending(inflight):
                 begun = admission.begin(self, StepKey(nxt))
                 if isinstance(begun, LiveStep):  # dynamic sampling: its rounds ran
                     live[begun.key] = begun
@@ -253,7 +253,7 @@ class Runner:
                     on_done(self._finished(live.pop(key)))
                 if finished:
                     continue
-                if not live and not any(w[0] == "admit" for w in inflight.values()):
+                if not live and not admission.pending(inflight):
                     return
                 pending = lambda: {str(lv.key): lv.sched.unfinished() for lv in live.values()}  # noqa: E731
                 if not inflight:
@@ -293,7 +293,7 @@ class Runner:
         except BaseException as e:
             if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
                 self.fleet.clear_failed([lv.partition for lv in live.values()]
-                                        + [w[1].partition for w in inflight.values() if w[0] == "admit"], e)
+                                        + [a.partition for a in admission.pending(inflight)], e)
             self._abandon()
             raise
 

@@ -33,7 +33,7 @@ from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, wo
 from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
 from rlgraph.ops.train.engine.balance import balance_across_ranks
-from rlgraph.ops.train.engine.base import load_model_state, model_state
+from rlgraph.ops.train.engine.base import load_model_state, model_state, valid_counts
 from rlgraph.ops.train.logprobs import Scores, enable_token_logprobs, score_rows, scored
 from rlgraph.ops.train.lora import adapters_disabled, apply_lora, has_lora, merged_weights
 from rlgraph.ops.train.sequences import Packed, repack
@@ -400,7 +400,8 @@ class ActorWorker(TrainerMixin):
                     w, keep = decoupled_weights(old, mb["rollout_log_probs"], decoupled_cap)
                     before = m.sum()
                     mb["is_weights"], m = w, m * keep.to(m.dtype)
-                    global_tokens, global_seqs = max(int((m != 0).sum()), 1), max(int((m != 0).any(dim=1).sum()), 1)
+                    tokens, seqs = valid_counts(m)  # counted as the engine counts them, after the drops
+                    global_tokens, global_seqs = max(int(tokens.sum()), 1), max(int(seqs.sum()), 1)
                     extra["behaviour_dropped_frac"] = float(1 - m.sum() / before) if before > 0 else 0.0
             if loss_mode == "gspo":  # sequence-level ratio, aggregated seq-mean-token-mean
                 pg = gspo_policy_loss(logp, old, mb["advantages"], m, clip_ratio_low=clip_ratio_low,

@@ -30,7 +30,7 @@ from torch import Tensor
 from rlgraph.ops.train.engine.config import EngineConfig, EngineError
 from rlgraph.ops.train.engine.dist import all_reduce_sum
 
-__all__ = ["TrainEngine", "LossFn", "STATE_FORMAT"]
+__all__ = ["TrainEngine", "LossFn", "STATE_FORMAT", "valid_counts"]
 
 STATE_FORMAT = "rlgraph.engine.v1"
 
@@ -131,13 +131,11 @@ class TrainEngine:
         if seed is None:
             seed = self.config.seed + self.steps * self.world_size
         generator = torch.Generator().manual_seed(seed + self.rank)
-        valid = batch[token_key].reshape(rows, -1) != 0
-        tokens_per_row = valid.sum(dim=1)
+        tokens_per_row, seq_per_row = valid_counts(batch[token_key])
         if max_tokens_per_micro_batch > 0 and length_key not in batch:
             raise EngineError(f"max_tokens_per_micro_batch needs the rows' token counts: length_key {length_key!r} "
                               f"is not in the batch (columns: {sorted(batch)})")
         lengths = batch[length_key].reshape(rows).tolist() if max_tokens_per_micro_batch > 0 else None
-        seq_per_row = valid.any(dim=1).long()
 
         self.module.train()
         out: list[dict[str, float]] = []
@@ -212,6 +210,13 @@ class TrainEngine:
             raise EngineError(f"ranks got different numbers of mini-batches ({detail}); every rank must take the "
                               f"same number of optimizer steps: split the padded batch evenly over the ranks")
         return counts[self.rank]
+
+
+def valid_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of a ``[rows, ...]`` token mask: its valid (non-zero) tokens, and 1 if it has any: what
+    the loss's normalisers (`TrainEngine.train`'s global tokens and sequences) count."""
+    valid = mask.reshape(mask.shape[0], -1) != 0
+    return valid.sum(dim=1), valid.any(dim=1).long()
 
 
 def _all_reduce_max(t: Tensor, world_size: int) -> Tensor:
