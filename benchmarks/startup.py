@@ -2,15 +2,17 @@
 
 Each run is `rlgraph run examples/grpo.py --steps 2` in a process of its own (the policy prepared
 beforehand, as a user's second run finds it). Runs alternate between rlgraph as it is, rlgraph
-with ``RLGRAPH_LEAN_TENSORDICT=0`` (tensordict imported as it is, with `torch._dynamo`: what every
-data-plane process paid before `rlgraph.runtime.dataplane.lean`) and rlgraph with
-``RLGRAPH_TQ_EARLY_UNITS=0`` (TransferQueue's storage units started once its controller is up, as
-``tq.init`` orders them, not beside it), so the machine's noise falls on all alike. The table gives medians over the runs of: start-up (process start to the first
-step's start, as in the TRL comparison), each phase line the run prints, and the CPU time the
-whole machine spent until the first step's end (all processes: Ray's, the workers', TQ's; from
-/proc/stat), which shows whether start-up is bound by the CPU. The second table splits that CPU time by
-process (each process's user and system time at step 0's end, from /proc, sampled every 0.1 s
-until then; the processes a run starts, by kind).
+with TransferQueue's storage unit and the data source in processes of their own
+(``dataplane.host_unit=false dataplane.host_source=false``; by default both run in TransferQueue's
+controller's process) and rlgraph with ``RLGRAPH_LEAN_TENSORDICT=0`` (tensordict imported as it
+is, with `torch._dynamo`: what every data-plane process paid before
+`rlgraph.runtime.dataplane.lean`), so the machine's noise falls on all alike. The table gives
+medians over the runs of: start-up (process start to the first step's start, as in the TRL
+comparison), each phase line the run prints, and the CPU time the whole machine spent until the
+first step's end (all processes: Ray's, the workers', TQ's; from /proc/stat), which shows whether
+start-up is bound by the CPU. The second table splits that CPU time by process (each process's
+user and system time at step 0's end, from /proc, sampled every 0.1 s until then; the processes a
+run starts, by kind).
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ PHASES = {  # phase -> the pattern of its line (seconds in the first group)
     "data plane (beside the workers)": r"data plane: .*\(([\d.]+)s, beside",
     "models loaded, after the workers": r"model load: .*\(([\d.]+)s\)",
 }
-VARIANTS = {"rlgraph": {"RLGRAPH_LEAN_TENSORDICT": "1"}, "tensordict as it is": {"RLGRAPH_LEAN_TENSORDICT": "0"},
-            "TQ's units after its controller": {"RLGRAPH_TQ_EARLY_UNITS": "0"}}
+OWN = "unit and source on their own"
+VARIANTS = {  # name -> (environment, config overrides)
+    "rlgraph": ({"RLGRAPH_LEAN_TENSORDICT": "1"}, []),
+    OWN: ({"RLGRAPH_LEAN_TENSORDICT": "1"}, ["dataplane.host_unit=false", "dataplane.host_source=false"]),
+    "tensordict as it is": ({"RLGRAPH_LEAN_TENSORDICT": "0"}, []),
+}
 TIMEOUT_S = 300  # one run, start-up and two steps
 
 
@@ -48,7 +54,7 @@ def _busy_s() -> float:
 
 # what each process of a run is, from its command line (first match): the per-process CPU table
 KINDS = (("policy and reward workers", ("ray::GroupWorker",)), ("data source", ("ray::SourceWorker",)),
-         ("TransferQueue controller", ("ray::TransferQueueController",)),
+         ("TransferQueue controller (and the unit and the source it hosts)", ("ray::TransferQueueController",)),
          ("TransferQueue storage unit", ("ray::SimpleStorageUnit",)),
          ("Ray: dashboard head and agent, runtime-env agent", ("dashboard.py", "ray::DashboardAgent",
                                                               "ray::RuntimeEnvAgent")),
@@ -102,9 +108,9 @@ def _prepare() -> None:
     _model()
 
 
-def _one(env: dict[str, str], out: Path, steps: int) -> dict[str, Any]:
+def _one(env: dict[str, str], args: list[str], out: Path, steps: int) -> dict[str, Any]:
     cmd = [str(common.ROOT / ".venv" / "bin" / "rlgraph"), "run", str(common.ROOT / "examples" / "grpo.py"), "-o",
-           str(out), "--overwrite", "--steps", str(steps)]
+           str(out), "--overwrite", "--steps", str(steps), *args]
     metrics = out / "metrics.jsonl"
     procs = _ProcessCPU()
     t0, busy0 = time.time(), _busy_s()
@@ -146,8 +152,8 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(runs):
-            for name, env in VARIANTS.items():
-                got[name].append(_one(env, Path(tmp) / f"{name.replace(' ', '_')}-{r}", steps=2))
+            for name, (env, args) in VARIANTS.items():
+                got[name].append(_one(env, args, Path(tmp) / f"{name.replace(' ', '_')}-{r}", steps=2))
                 print(f"  {name} run {r}: start-up {got[name][-1]['start-up']:.1f} s", flush=True)
     keys = ["start-up", *PHASES, "wall to step 0's end", "cpu"]
     table = common.Table(["", *VARIANTS], title=f"`rlgraph run examples/grpo.py`, median of {runs} alternating runs")
@@ -165,16 +171,18 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
         per_process.add(k, statistics.median(x["processes"].get(k, (0, 0.0))[0] for x in got["rlgraph"]), cpu_of[k])
     per_process.print()
     spent = ", ".join(f"{k} {cpu:.1f} s" for k, cpu in cpu_of.items())
-    lean, full, late = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
+    hosted, own, full = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
+    cpu_own = statistics.median(x["cpu"] for x in got[OWN])
     cores = os.cpu_count() or 1
     cpu = statistics.median(x["cpu"] for x in got["rlgraph"])
     wall = statistics.median(x["wall to step 0's end"] for x in got["rlgraph"])
-    notes = (f"Start-up {lean:.1f} s against {full:.1f} s with tensordict imported as it is, and {late:.1f} s with "
-             f"TransferQueue's storage units started after its controller (TQ's own order). The machine was busy "
-             f"{cpu:.0f} CPU seconds until step 0 ended, {cpu / (wall * cores):.0%} of its {cores} cores over those "
-             f"{wall:.1f} s: start-up is bound by the CPU (seven Python processes each import torch; the actor "
-             f"imports transformers' model code, the driver, data source and reward worker only its tokenizers), so it "
-             f"shortens by what the processes stop doing, not by starting them in another order. "
+    notes = (f"Start-up {hosted:.1f} s against {own:.1f} s with TransferQueue's storage unit and the data source in "
+             f"processes of their own ({cpu:.0f} against {cpu_own:.0f} CPU seconds), and {full:.1f} s with tensordict "
+             f"imported as it is. The machine was busy {cpu:.0f} CPU seconds until step 0 ended, "
+             f"{cpu / (wall * cores):.0%} of its {cores} cores over those {wall:.1f} s: start-up is bound by the CPU "
+             f"(each Python process of the run imports torch; the actor imports transformers' model code, the driver, "
+             f"the controller, which hosts the data source, and the reward worker only its tokenizers), so it shortens "
+             f"by what the processes stop doing, not by starting them in another order. "
              f"By process: {spent}. "
              f"Target (issue 25): 8 s.")
     return common.Section("startup", "17. Start-up, phase by phase", __doc__.split("\n\n", 1)[1], [table, per_process],

@@ -267,23 +267,25 @@ def test_trl_peer_quick(tmp_path):
 
 @pytest.mark.bench
 def test_startup_quick(tmp_path):
-    """Start-up of the GRPO example, lean, with tensordict imported as it is and with TQ's units started
-    after its controller: every phase tabled."""
+    """Start-up of the GRPO example, as it is, with TQ's storage unit and the data source in processes of
+    their own, and with tensordict imported as it is: every phase tabled."""
     from benchmarks import startup
 
     doc = tmp_path / "perf.md"
     common.write_section(startup.run(quick=True), doc)
     rows = table_rows(doc.read_text(), "startup", 0)
     head, *body = [r for i, r in enumerate(rows) if i != 1]
-    assert head[1:] == ["rlgraph", "tensordict as it is", "TQ's units after its controller"]
+    assert head[1:] == ["rlgraph", "unit and source on their own", "tensordict as it is"]
     got = {b[0]: [num(c) for c in b[1:]] for b in body}
     assert len(got) == 7 and all(v > 0 for vs in got.values() for v in vs)
     assert got["start-up to the first step (s)"][0] < got["wall to step 0's end (s)"][0]
-    # the CPU by process: the driver, the two workers, the source, TransferQueue's two actors, Ray's own
+    # the CPU by process: the driver, the two workers, TransferQueue's controller hosting the unit and the
+    # source (neither has a process of its own), Ray's own
     head, *body = [r for i, r in enumerate(table_rows(doc.read_text(), "startup", 1)) if i != 1]
     procs = {b[0]: (num(b[1]), num(b[2])) for b in body}
     assert procs["driver (rlgraph run)"][0] == 1 and procs["policy and reward workers"][0] == 2
-    assert procs["data source"][0] == procs["TransferQueue controller"][0] == 1
+    assert procs["TransferQueue controller (and the unit and the source it hosts)"][0] == 1
+    assert "data source" not in procs and "TransferQueue storage unit" not in procs
     assert all(cpu > 0 for _, cpu in procs.values())
     assert sum(cpu for _, cpu in procs.values()) <= 1.05 * got["CPU seconds, all processes, to step 0's end"][0]
 

@@ -248,6 +248,12 @@ class DataplaneSettings(Section):
     shared_memory: bool = True
     """on a one-node cluster, tensor columns of at least 64 KiB per put go through shared memory (/dev/shm)
     and TransferQueue keeps only their descriptors; off on several nodes whatever this says"""
+    host_unit: bool = True
+    """with one storage unit (one node), it runs in TransferQueue's controller process, not in a process of
+    its own (one Ray actor less to start)"""
+    host_source: bool = True
+    """the data source runs in TransferQueue's controller process, not in a process of its own (one Ray
+    actor less to start: about 1 s of start-up on 2 cores); the Ray backend always gives it its own"""
 
 
 class ClusterSettings(Section):

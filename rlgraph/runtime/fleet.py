@@ -4,7 +4,9 @@
   against the plan before anything starts;
 - the data plane (TransferQueue or the Ray object store), unless the caller passes a running one;
 - one placement group per resource pool, one `GroupWorker` actor per rank of each worker group
-  on its pool's bundles (colocated groups split a bundle), and the data-source actor.
+  on its pool's bundles (colocated groups split a bundle), and the data source: in the process of
+  TransferQueue's controller (``dataplane.host_source``, `rlgraph.runtime.dataplane.guest`) or an
+  actor of its own.
 
 The fleet starts, restarts, pings and closes them, submits op calls and waits for their results
 with a timeout that says what it waited for, moves state columns between groups, and gathers or
@@ -71,7 +73,8 @@ class Fleet:
         self.ray: RayHandle | None = None
         self._ray_given = ray_handle
         self.workers: dict[str, list[Any]] = {}
-        self.source: Any = None
+        self.source: Any = None  # an actor handle, or `Hosted` (in the data plane's controller)
+        self._source_hosted = False
         self.stateful: dict[str, bool] = {}  # group -> keeps state beyond a call (restore it, not just restart)
         self.initial_source_state: Any = None
         self._pgs: dict[str, Any] = {}  # pool -> placement group
@@ -139,12 +142,14 @@ class Fleet:
         handle = self.plane.handle() if self._plane_job is None else None  # None: connect once the plane is up
         for g in self.plan.groups:
             self._create_group(g.name, handle)
-        self._create_source(handle)
+        if self._plane_job is None or not self._hosts_source():  # else the plane's start makes it
+            self._create_source(handle)
         names = list(self.workers)
         meet = self._rendezvous(names)
         actors = sum(len(ws) for ws in self.workers.values())
-        self._on_phase(f"workers: {actors} actor(s) in {len(names)} group(s) and the data source on "
-                       f"{len(self._pgs)} pool(s) ({time.time() - t0:.1f}s)")
+        where = "in the data plane's controller" if self._hosts_source() else "on its own"
+        self._on_phase(f"workers: {actors} actor(s) in {len(names)} group(s) on {len(self._pgs)} pool(s), the "
+                       f"data source {where} ({time.time() - t0:.1f}s)")
         t0 = time.time()
         setups = self._submit_setups(names, meet)
         if self._plane_job is not None:  # the workers connect (on their control thread) while they load models
@@ -152,7 +157,8 @@ class Fleet:
             self._plane_job = None
             handle = self.plane.handle()
             connects = [w.connect.options(concurrency_group=CONTROL).remote(handle)
-                        for ws in self.workers.values() for w in ws] + [self.source.connect.remote(handle)]
+                        for ws in self.workers.values() for w in ws]
+            connects += [] if self._source_hosted else [self.source.connect.remote(handle)]
             self.get(connects, "the workers to connect to the data plane")
             self._on_phase(f"connected {len(connects)} actor(s) to the data plane ({time.time() - t0:.1f}s after "
                            f"they started)")
@@ -167,9 +173,12 @@ class Fleet:
     def _timed_plane_start(self) -> None:
         t0 = time.time()
         self.plane = self._start_dataplane()
+        if self._hosts_source():  # its imports and set-up beside the workers' start
+            self._create_source(self.plane.handle())
         units = self._storage_units()
         kind = "Ray object store" if self._backend == "ray" else (
             f"TransferQueue, {units} storage unit(s)"
+            + (" in its controller's process" if units == 1 and self.dataplane_settings.host_unit else "")
             + (", large columns through shared memory" if self.plane.uses_shared_memory() else ""))
         self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s, beside the workers' start)")
 
@@ -180,7 +189,7 @@ class Fleet:
             return RayObjectStoreDataPlane.start(op_timeout_s=self.timeout_s)
         return TransferQueueDataPlane.start(TransferQueueConfig(
             num_storage_units=self._storage_units(), op_timeout_s=self.timeout_s,
-            shared_memory=self.dataplane_settings.shared_memory))
+            shared_memory=self.dataplane_settings.shared_memory, host_unit=self.dataplane_settings.host_unit))
 
     def _storage_units(self) -> int:
         units = self.dataplane_settings.storage_units
@@ -211,12 +220,44 @@ class Fleet:
             for r in range(g.dp)
         ]
 
+    def _hosts_source(self) -> bool:
+        """Whether the data source runs in the data plane's controller (TransferQueue's; the Ray
+        store's plane has no such process)."""
+        if not self.dataplane_settings.host_source:
+            return False
+        if self.plane is not None:
+            return self.plane.guest_host() is not None
+        return self._backend == "transferqueue"  # the plane this fleet is starting
+
     def _create_source(self, handle: Any) -> None:
+        """Start the data source, connected to the data plane through `handle` (None: later)."""
         import ray
 
+        from rlgraph.runtime.dataplane.guest import Hosted
         from rlgraph.runtime.source import SourceWorker
 
+        host = self.plane.guest_host() if self.plane is not None and self._hosts_source() else None
+        if host is not None:  # one process less to start (rlgraph.runtime.dataplane.guest)
+            host.guest_start.remote(f"{SourceWorker.__module__}:{SourceWorker.__name__}", (self._plan_json, handle),
+                                    "data source", self.timeout_s)
+            self.source, self._source_hosted = Hosted(host), True
+            return
         self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
+        self._source_hosted = False
+
+    def _stop_source(self) -> None:
+        """Kill the source's actor; a hosted source closes its client (its host is the plane's)."""
+        import ray
+
+        if self.source is None:
+            return
+        if self._source_hosted:
+            try:
+                self.source.close.remote()
+            except Exception:  # the host died with its plane
+                pass
+        else:
+            ray.kill(self.source, no_restart=True)
 
     def _rendezvous(self, names: list[str]) -> list[Any]:
         """Rank 0's address of each group in `names` (once its actors have started): every rank of
@@ -290,10 +331,9 @@ class Fleet:
         return self.restart_source() + self.restart(list(self.workers))
 
     def restart_source(self) -> int:
-        """Kill the data-source actor and start it again; returns the actors started (1)."""
-        import ray
-
-        ray.kill(self.source, no_restart=True)
+        """Kill the data-source actor (a hosted one: let go of it) and start it again; returns the
+        actors started (1)."""
+        self._stop_source()
         self._create_source(self.plane.handle())
         return 1
 
@@ -320,8 +360,9 @@ class Fleet:
         except ImportError:  # pragma: no cover
             return
         if ray.is_initialized():
-            for w in [w for ws in self.workers.values() for w in ws] + ([self.source] if self.source else []):
+            for w in [w for ws in self.workers.values() for w in ws]:
                 ray.kill(w, no_restart=True)
+            self._stop_source()
             from ray.util.placement_group import remove_placement_group
 
             def remove_all(pgs: list) -> None:

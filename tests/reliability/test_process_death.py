@@ -105,15 +105,22 @@ def uninterrupted(tmp_path_factory):
     return _scores(records)
 
 
+# with one storage unit, the unit and the data source run in TransferQueue's controller's process by
+# default (dataplane.host_unit, dataplane.host_source): killing it kills all three; the unit of its own
+# is the other layout
+OWN_UNIT = ("gen.delay_s=0.1", "dataplane.host_unit=false")
+OWN_SOURCE = ("gen.delay_s=0.1", "dataplane.host_source=false")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,victim,name", [
-    ("transferqueue", "ray::SimpleStorageUnit", "TransferQueue storage unit 0"),
-    ("transferqueue", "ray::TransferQueueController", "TransferQueue controller"),
-    ("ray", "ray::_RowTracker", "Ray-store row tracker"),
+@pytest.mark.parametrize("backend,victim,name,args", [
+    ("transferqueue", "ray::SimpleStorageUnit", "TransferQueue storage unit 0", OWN_UNIT),
+    ("transferqueue", "ray::TransferQueueController", "TransferQueue controller", ("gen.delay_s=0.1",)),
+    ("ray", "ray::_RowTracker", "Ray-store row tracker", ("gen.delay_s=0.1",)),
 ])
 def test_a_killed_data_plane_process_is_replaced_and_the_run_ends_as_the_uninterrupted_one(
-        tmp_path, uninterrupted, backend, victim, name):
-    code, text, records, after_kill = _run(tmp_path / "run", backend, victim)
+        tmp_path, uninterrupted, backend, victim, name, args):
+    code, text, records, after_kill = _run(tmp_path / "run", backend, victim, args=args)
     assert code == 0, text
     assert f"rlgraph: the data plane's {name} died at step 2" in text, text
     assert _scores(records) == uninterrupted  # replayed from the start with the same seeds
@@ -130,7 +137,8 @@ def test_a_killed_worker_or_source_costs_no_sample(tmp_path, uninterrupted, vict
     # the source works a step ahead (the runner admits one step early): killed in step 2 of 4 it has
     # made its last batch already, so it dies in step 1, with step 3's prompts still to make
     after = 1 if victim == "ray::SourceWorker" else 2
-    code, text, records, after_kill = _run(tmp_path / "run", "transferqueue", victim, after=after)
+    code, text, records, after_kill = _run(tmp_path / "run", "transferqueue", victim, after=after,
+                                           args=OWN_SOURCE if victim == "ray::SourceWorker" else ("gen.delay_s=0.1",))
     assert code == 0, text
     assert "rlgraph: " in text and "died" in text, text  # one line saying what died and what was done
     assert _scores(records) == uninterrupted

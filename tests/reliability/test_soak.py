@@ -1,8 +1,10 @@
 """Soak (issue 14, item 5): 200 steps of the GRPO example with a process killed from outside about
-every 20 steps, rotating over a worker, a TransferQueue storage unit, the TransferQueue
-controller, the data source, the reward pool's scoring processes (the rule reward runs on a
-process pool here, ``reward.executor=process``) and the driver (then ``--resume``). The run must
-end with the uninterrupted run's results and hold the sample accounting at every step.
+every 20 steps, rotating over a worker, the TransferQueue controller (on one node its process also
+holds the storage unit and the data source: ``dataplane.host_unit``, ``dataplane.host_source``), the
+reward pool's scoring processes (the rule reward runs on a process pool here,
+``reward.executor=process``) and the driver (then ``--resume``). The run must end with the
+uninterrupted run's results and hold the sample accounting at every step. A storage unit and a
+source of their own are killed in tests/reliability/test_process_death.py.
 
 Not in the default run (about 8 minutes on 2 cores):
 
@@ -27,8 +29,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 STEPS, EVERY, SAVE_EVERY = 200, 20, 10
-KINDS = ["ray::GroupWorker", "ray::SimpleStorageUnit", "ray::TransferQueueController", "ray::SourceWorker",
-         "forkserver", "driver"]
+KINDS = ["ray::GroupWorker", "ray::TransferQueueController", "forkserver", "driver"]
 SCORING = "multiprocessing.forkserver"  # the reward pool's fork server and the processes it forked
 COMPARED = ("score/mean", "update_actor/actor_metrics/pg_loss", "samples/trained", "samples/padding")
 pytestmark = [pytest.mark.soak, pytest.mark.ray]

@@ -289,6 +289,10 @@ class DataPlane(DataPlaneClient):
         """The plane's Ray actors by a name for people (watched for deaths by the runner)."""
         return {}
 
+    def guest_host(self) -> Any:
+        """The plane's actor that can host a guest object (`rlgraph.runtime.dataplane.guest`), or None."""
+        return None
+
     def payload_bytes_in_this_process(self) -> int:
         """Column payload bytes that went through put/get in this (the driver's) process.
         Stays ~0 when workers put and get themselves and the driver only passes row ids."""

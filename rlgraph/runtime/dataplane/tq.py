@@ -66,7 +66,8 @@ from transfer_queue.storage.managers.simple_storage_manager import (  # noqa: E4
 )
 
 from rlgraph.runtime.dataplane import cells, guard, shm  # noqa: E402
-from rlgraph.runtime.dataplane.unit import DirectUnit  # noqa: E402
+from rlgraph.runtime.dataplane.guest import GuestHost  # noqa: E402
+from rlgraph.runtime.dataplane.unit import DirectUnit, UnitHost  # noqa: E402
 from rlgraph.runtime.dataplane.wire import WATCH_S, Wire  # noqa: E402
 from rlgraph.runtime.dataplane.base import (  # noqa: E402
     ColumnData,
@@ -111,6 +112,12 @@ class TransferQueueConfig:
     shared_memory: bool = True
     """Large tensor columns through shared memory (`rlgraph.runtime.dataplane.shm`) when the Ray
     cluster has one node and this process is on it."""
+    host_unit: bool = False
+    """With one storage unit: run it in the controller's process (`unit.UnitHost`), not an actor of its own."""
+
+    @property
+    def unit_hosted(self) -> bool:
+        return self.host_unit and self.num_storage_units == 1
 
 
 # --------------------------------------------------------------------------- resources
@@ -519,7 +526,8 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                 pass
         self._watch = lambda: dead_actors(self._actors)
         self._created: set[str] = set()  # partitions this plane created and has not cleared
-        units = [self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
+        units = [controller] if config.unit_hosted else [
+            self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
         self._unit_nodes = _actor_nodes(units) if all(units) else ()
         self._owner_pid = os.getpid()
         self._closed = False
@@ -627,6 +635,9 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
     def actors(self) -> dict[str, Any]:
         return dict(self._actors)
 
+    def guest_host(self) -> Any:
+        return self._controller
+
     def close(self) -> None:
         if self._closed or os.getpid() != self._owner_pid:
             return
@@ -670,16 +681,19 @@ def _run_tq_init(config: TransferQueueConfig, secret: str) -> None:
     """``tq.init`` under a timeout. It waits on Ray actors without one; if they never start we
     kill what it created, which makes its pending ``ray.get`` fail and frees its thread. TQ's
     controller and storage units start as `guard.guarded_actor_class`es: their sockets admit only
-    processes presenting `secret`, and each unit is served by one thread (`unit.DirectUnit`)."""
+    processes presenting `secret`, and each unit is served by one thread (`unit.DirectUnit`); the
+    controller can host a guest (`guest.GuestHost`)."""
     import transfer_queue.interface as tq_interface
     from transfer_queue.storage.bootstrap import simple_storage_bootstrap as tq_bootstrap
 
     originals = {tq_interface: tq_interface.TransferQueueController, tq_bootstrap: tq_bootstrap.SimpleStorageUnit}
-    tq_interface.TransferQueueController = guard.guarded_actor_class(originals[tq_interface], secret)
+    # the controller can host a guest (`guest`: the data source, dataplane.host_source) and the unit
+    hosts = (GuestHost, UnitHost) if config.unit_hosted else (GuestHost,)
+    tq_interface.TransferQueueController = guard.guarded_actor_class(originals[tq_interface], secret, hosts)
     tq_bootstrap.SimpleStorageUnit = guard.guarded_actor_class(originals[tq_bootstrap], secret, (DirectUnit,))
     try:
-        early = _EarlyUnits(_tq_conf(config), config.start_timeout_s)
-        with early.installed():  # its exit waits for the units' thread: the guarded class is still the one used
+        units = (_HostedUnit if config.unit_hosted else _EarlyUnits)(_tq_conf(config), config.start_timeout_s)
+        with units.installed():  # its exit waits for the units' thread: the guarded class is still the one used
             _tq_init_with_timeout(config)
     finally:
         tq_interface.TransferQueueController = originals[tq_interface]
@@ -766,6 +780,35 @@ class _EarlyUnits:
         final_conf.backend.SimpleStorage.zmq_info = self.conf.backend.SimpleStorage.zmq_info
         self.handed = True
         return self.handles
+
+
+class _HostedUnit:
+    """tq.init's storage provider when the controller hosts the only unit (`unit.UnitHost`): asks
+    the controller, up by then, to start it, and gives tq.init the controller as the unit's handle."""
+
+    def __init__(self, conf: dict[str, Any], timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from transfer_queue.storage.bootstrap import StorageBootstrapProvider
+
+        providers = StorageBootstrapProvider._providers
+        original = providers.get("simplestorage")
+        providers["simplestorage"] = self._provide
+        try:
+            yield
+        finally:
+            providers["simplestorage"] = original
+
+    def _provide(self, final_conf: Any) -> Any:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        unit_conf = {**dict(final_conf.backend.SimpleStorage), "_run_id": uuid.uuid4().hex}  # as TQ's bootstrap
+        unit_conf.pop("zmq_info", None)
+        name = STORAGE_UNIT_NAME.format(0)
+        final_conf.backend.SimpleStorage.zmq_info = {
+            name: ray.get(controller.unit_start.remote(unit_conf), timeout=self.timeout_s)}
+        return {name: controller}
 
 
 def _tq_init_with_timeout(config: TransferQueueConfig) -> None:

@@ -15,6 +15,12 @@ looking for TensorDicts (`wire.decode`; others' requests are walked as TQ walks 
 protocol, the storage and the handlers are TQ's; only the hop is gone (and the unit's half-second
 sleep at start-up, which waited for the worker thread). ``RLGRAPH_TQ_DIRECT_UNIT=0`` (in the environment
 Ray's processes start with) keeps TQ's proxy and worker threads, for side-by-side measurement.
+
+`UnitHost`, mixed into the controller's actor class, runs a plane's only storage unit in the
+controller's process (``dataplane.host_unit``): the same unit class and thread, one Ray actor
+less to start (each costs its process's start-up: Python, Ray's core worker, torch). TQ's start
+asks it for the unit (`rlgraph.runtime.dataplane.tq`), and its close calls ``shutdown`` on what
+it holds as the unit's handle, here the controller's.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-__all__ = ["DirectUnit", "ENV"]
+__all__ = ["DirectUnit", "UnitHost", "ENV"]
 
 ENV = "RLGRAPH_TQ_DIRECT_UNIT"
 log = logging.getLogger(__name__)
@@ -126,3 +132,25 @@ class DirectUnit:
                 log.exception("storage unit %s: a request failed", self.storage_unit_id)
             finally:
                 del frames
+
+
+class UnitHost:
+    """Mixin for TQ's controller actor class: hosts the plane's storage unit (see the module)."""
+
+    _hosted_unit: Any = None
+
+    def unit_start(self, config: dict[str, Any]) -> Any:
+        """Start the storage unit here with TQ's SimpleStorage `config`; returns its ZMQ address
+        (what TQ's bootstrap asks of a unit actor)."""
+        from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+        base = SimpleStorageUnit.__ray_metadata__.modified_class.__ray_actor_class__  # the class TQ decorated
+        unit = type("HostedStorageUnit", (DirectUnit, base), {})(config)
+        self._hosted_unit = unit
+        return unit.get_zmq_server_info()
+
+    def shutdown(self) -> None:
+        """TQ's close, on what it holds as the unit's handle: stop the hosted unit."""
+        if self._hosted_unit is not None:
+            self._hosted_unit.shutdown()
+            self._hosted_unit = None

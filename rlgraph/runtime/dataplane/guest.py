@@ -1,0 +1,92 @@
+"""A guest in the data plane's controller: an object of the run's, living in that actor's process.
+
+Every Ray actor is a process, and on a small machine each one's start is dear: Python, Ray's core
+worker, torch imported (about 2.5 CPU-seconds each on 2 cores, where start-up is bound by the CPU;
+docs/performance.md, section 17). TransferQueue's controller is such a process, mostly idle: it
+keeps metadata and answers a few requests a step on its own threads. `GuestHost`, mixed into its
+actor class (`guard.guarded_actor_class`), lets the runtime place an object there, the data source
+(`rlgraph.runtime.source.SourceWorker`; ``dataplane.host_source``), instead of starting a process
+for it:
+
+- `guest_start` builds the guest on a thread of its own and returns at once, so the controller's
+  Ray methods (TQ's, asked by clients as they connect) do not wait for the guest's imports;
+- `guest_call` runs one of its methods on the controller's Ray thread, calls one at a time in the
+  order they were sent, as an actor of its own would run them; the first waits for the guest to
+  be built (at most its timeout, then `DataPlaneError` naming the guest), and a guest whose build
+  failed raises that error at each call, so the run sees the source's own typed error, and the
+  controller lives on.
+
+A guest dies with its host: a dead controller is a dead data plane, which the runner replaces
+(`rlgraph.runtime.fleet.Fleet.restart_plane`) with the source started again on the new one.
+`Hosted` is the driver's side: ``hosted.produce.remote(...)`` as on an actor handle.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["GuestHost", "Hosted"]
+
+
+class GuestHost:
+    """Mixin for a data-plane actor class: hosts one guest object (see the module)."""
+
+    _guest: Any = None
+    _guest_error: BaseException | None = None
+    _guest_ready: threading.Event | None = None
+    _guest_name = ""
+    _guest_timeout_s = 600.0
+
+    def guest_start(self, impl: str, args: tuple = (), name: str = "guest", timeout_s: float = 600.0) -> None:
+        """Build ``impl`` ("module:Class") with `args` on a thread; replaces any guest before it."""
+        ready = threading.Event()
+        self._guest, self._guest_error, self._guest_ready = None, None, ready
+        self._guest_name, self._guest_timeout_s = name, timeout_s
+
+        def build() -> None:
+            try:
+                from importlib import import_module
+
+                module, _, cls = impl.partition(":")
+                self._guest = getattr(import_module(module), cls)(*args)
+            except BaseException as e:  # raised at each call: the run sees it, the controller lives on
+                self._guest_error = e
+            finally:
+                ready.set()
+
+        threading.Thread(target=build, name=f"rlgraph_guest_{name}", daemon=True).start()
+
+    def guest_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The guest's `method` with `args`, once the guest is built."""
+        from rlgraph.runtime.dataplane.base import DataPlaneError
+
+        ready = self._guest_ready
+        if ready is None:
+            raise DataPlaneError(f"no guest was started in this data-plane process (asked for {method!r})")
+        if not ready.wait(self._guest_timeout_s):
+            raise DataPlaneError(f"the {self._guest_name} hosted by the data plane's controller was not built "
+                                 f"within {self._guest_timeout_s:g}s (its imports and set-up)")
+        if self._guest_error is not None:
+            raise self._guest_error
+        return getattr(self._guest, method)(*args, **kwargs)
+
+
+class _Method:
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor.guest_call.remote(self.name, *args, **kwargs)
+
+
+class Hosted:
+    """The driver's handle on a guest: ``hosted.<method>.remote(...)`` runs it in the host actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Method(self.actor, name)
