@@ -41,9 +41,13 @@ def ray_cluster():
     os.environ.setdefault("TQ_NUM_THREADS", "2")
     # if ray was imported before this conftest, the flag was read already: apply it here too
     ray_constants.ENABLE_RAY_CLUSTER = False
-    # address="local": a Ray of the session's own, never one left by `ray start` (a multi-node test's)
-    ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    from rlgraph.runtime.cluster import lean_head
+
+    # address="local": a Ray of the session's own, never one left by `ray start` (a multi-node test's);
+    # lean, as `rlgraph run` starts it: without the head's API server and monitors
+    with lean_head():
+        ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
     try:
         yield ray
     finally:

@@ -138,7 +138,7 @@ class Fleet:
                 ray.get(pg.ready(), timeout=self.timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise StepTimeout(f"placement group for pool {pool!r} was not ready after {self.timeout_s:g}s; "
-                                  f"`ray status` shows what is pending") from None
+                                  f"Ray's free resources now: {ray.available_resources()}") from None
         handle = self.plane.handle() if self._plane_job is None else None  # None: connect once the plane is up
         for g in self.plan.groups:
             self._create_group(g.name, handle)

@@ -240,3 +240,39 @@ def test_rlgraph_run_starts_ray_and_transferqueue_on_loopback(tmp_path):
     exposed = [entry for entry in listeners if entry[0] not in _LOOPBACK]
     assert not exposed, f"listening beyond loopback: {exposed}"
     assert "TOKEN_AUTH true" in res.stdout.splitlines()
+
+
+_START_AND_NAME = textwrap.dedent("""
+    import sys, psutil
+    from rlgraph.graph.compile import compile_pipeline
+    from rlgraph.graph.loader import load_pipeline
+    from rlgraph.runtime.cluster import start_ray
+
+    handle = start_ray(compile_pipeline(load_pipeline(sys.argv[1])[0], []))
+    try:
+        names = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                names.append(" ".join(p.cmdline()))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        print("PROCESSES", " | ".join(names))
+    finally:
+        handle.shutdown()
+""")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("head", ["lean", "full"])
+def test_a_local_ray_starts_without_the_head_processes_a_run_does_not_use(tmp_path, head):
+    """`start_ray`, as `rlgraph run` calls it: no dashboard API server, autoscaler monitor or log
+    monitor (RLGRAPH_RAY_HEAD=full: Ray's own set); the raylet's agents either way."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["RLGRAPH_RAY_HEAD"] = head
+    res = subprocess.run([sys.executable, "-c", _START_AND_NAME, PIPELINE], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("PROCESSES "))
+    assert "gcs_server" in line and "raylet" in line and "dashboard/agent.py" in line, line
+    for process in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py"):
+        assert (process in line) == (head == "full"), (process, line)
