@@ -56,8 +56,8 @@ def _busy_s() -> float:
 KINDS = (("policy and reward workers", ("ray::GroupWorker",)), ("data source", ("ray::SourceWorker",)),
          ("TransferQueue controller (and the unit and the source it hosts)", ("ray::TransferQueueController",)),
          ("TransferQueue storage unit", ("ray::SimpleStorageUnit",)),
-         ("Ray: dashboard head and agent, runtime-env agent", ("dashboard.py", "ray::DashboardAgent",
-                                                              "ray::RuntimeEnvAgent")),
+         ("Ray: dashboard and runtime-env agents (and the API server if started)",
+          ("dashboard.py", "ray::DashboardAgent", "ray::RuntimeEnvAgent")),
          ("Ray: log monitor and autoscaler monitor", ("log_monitor.py", "autoscaler/_private/monitor.py")),
          ("Ray: GCS and raylet", ("gcs_server", "raylet/raylet")))
 

@@ -23,8 +23,8 @@ when the update makes one optimizer step per step). Not matched exactly (what ea
   two cores shared with the reward worker and the data plane, its step was slower), and 2 in the
   update, which runs alone (the reward group's CPU is idle meanwhile: `describe` shows it);
 - processes: rlgraph runs the actor, the reward worker (which runs the advantage in the reward's
-  calls), the data source and TransferQueue's controller and storage unit as processes of their
-  own; TRL is one process.
+  calls) and TransferQueue's controller (which hosts the storage unit and the data source) as
+  processes of their own, and the asynchronous example a rollout worker too; TRL is one process.
 
 "TRL, 1 thread" is TRL again with one torch thread (``OMP_NUM_THREADS=1``), the threads rlgraph's
 actor generates with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
