@@ -159,7 +159,7 @@ def guarded_actor_class(actor_class: Any, secret: str, mixins: tuple[type, ...] 
     """A Ray actor class made from TransferQueue's `actor_class` (``@ray.remote`` on TQ's class)
     whose constructor installs `secret` before TQ's constructor opens its sockets; `mixins` come
     before TQ's class (`rlgraph.runtime.dataplane.unit.DirectUnit` for a storage unit). Its CPUs
-    and GPUs are TQ's."""
+    and GPUs are TQ's; the concurrency groups its mixins declare (``CONCURRENCY_GROUPS``) its own."""
     import ray
 
     meta = actor_class.__ray_metadata__
@@ -180,4 +180,6 @@ def guarded_actor_class(actor_class: Any, secret: str, mixins: tuple[type, ...] 
 
     Guarded.__name__ = Guarded.__qualname__ = meta.class_name
     Guarded.__module__ = __name__
-    return ray.remote(num_cpus=meta.num_cpus, num_gpus=meta.num_gpus)(Guarded)
+    groups = {name: n for m in mixins for name, n in getattr(m, "CONCURRENCY_GROUPS", {}).items()}
+    options = {"concurrency_groups": groups} if groups else {}  # a mixin's own threads (`guest.GuestHost`)
+    return ray.remote(num_cpus=meta.num_cpus, num_gpus=meta.num_gpus, **options)(Guarded)

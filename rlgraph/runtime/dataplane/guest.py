@@ -10,11 +10,13 @@ for it:
 
 - `guest_start` builds the guest on a thread of its own and returns at once, so the controller's
   Ray methods (TQ's, asked by clients as they connect) do not wait for the guest's imports;
-- `guest_call` runs one of its methods on the controller's Ray thread, calls one at a time in the
-  order they were sent, as an actor of its own would run them; the first waits for the guest to
-  be built (at most its timeout, then `DataPlaneError` naming the guest), and a guest whose build
-  failed raises that error at each call, so the run sees the source's own typed error, and the
-  controller lives on.
+- `guest_call` runs one of its methods, calls one at a time in the order they were sent, as an
+  actor of its own would run them, on a thread of their own (the concurrency group `GROUP`), not
+  the one TQ's own Ray methods run on: the first call waits for the guest to be built (at most its
+  timeout, then `DataPlaneError` naming the guest), and the build itself asks the controller
+  through Ray (a data-plane client's connect asks for TQ's config), which would wait for ever
+  behind a call waiting for the build on one thread. A guest whose build failed raises that error
+  at each call, so the run sees the source's own typed error, and the controller lives on.
 
 A guest dies with its host: a dead controller is a dead data plane, which the runner replaces
 (`rlgraph.runtime.fleet.Fleet.restart_plane`) with the source started again on the new one.
@@ -26,11 +28,18 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["GuestHost", "Hosted"]
+import ray
+
+__all__ = ["GROUP", "GuestHost", "Hosted"]
+
+GROUP = "rlgraph_guest"  # the host actor's concurrency group of the guest's calls
 
 
 class GuestHost:
-    """Mixin for a data-plane actor class: hosts one guest object (see the module)."""
+    """Mixin for a data-plane actor class: hosts one guest object (see the module). The actor
+    class declares `CONCURRENCY_GROUPS` (`guard.guarded_actor_class` does)."""
+
+    CONCURRENCY_GROUPS = {GROUP: 1}
 
     _guest: Any = None
     _guest_error: BaseException | None = None
@@ -38,6 +47,7 @@ class GuestHost:
     _guest_name = ""
     _guest_timeout_s = 600.0
 
+    @ray.method(concurrency_group=GROUP)
     def guest_start(self, impl: str, args: tuple = (), name: str = "guest", timeout_s: float = 600.0) -> None:
         """Build ``impl`` ("module:Class") with `args` on a thread; replaces any guest before it."""
         ready = threading.Event()
@@ -57,6 +67,7 @@ class GuestHost:
 
         threading.Thread(target=build, name=f"rlgraph_guest_{name}", daemon=True).start()
 
+    @ray.method(concurrency_group=GROUP)
     def guest_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The guest's `method` with `args`, once the guest is built."""
         from rlgraph.runtime.dataplane.base import DataPlaneError

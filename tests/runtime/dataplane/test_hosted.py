@@ -35,6 +35,19 @@ class BadGuest(RLGraphError):
     pass
 
 
+class AsksTheHost:
+    """A guest whose build asks its host actor through Ray, as a data-plane client's connect does."""
+
+    def __init__(self) -> None:
+        import ray
+
+        host = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+        self.config = ray.get(host.get_config.remote(), timeout=20)
+
+    def ok(self) -> str:
+        return "answered"
+
+
 IMPL = f"{__name__}:Counter"
 
 
@@ -118,6 +131,9 @@ _HOSTED_PLANE = textwrap.dedent("""
         guest = Hosted(host)
         host.guest_start.remote("test_hosted:Counter", (41,), "counter", 30.0)
         print("GUEST", ray.get(guest.bump.remote(), timeout=60))
+        # a call sent at once waits for the build, which asks the host through Ray: on one thread both would wait
+        host.guest_start.remote("test_hosted:AsksTheHost", (), "guest asking its host", 60.0)
+        print("ASKED", ray.get(guest.ok.remote(), timeout=60))
         plane.clear("p")
     finally:
         plane.close()
@@ -143,4 +159,5 @@ def test_the_controller_hosts_the_only_storage_unit_and_a_guest():
     assert "UNIT NODE True" in out, out
     assert "GOT [[6.0, 7.0], [2.0, 3.0]] ['d', 'b']" in out, out
     assert "GUEST 42" in out, out
+    assert "ASKED answered" in out, out
     assert "CLOSED" in out, out
