@@ -41,6 +41,7 @@ PLANE = "data plane"  # the data plane's name among the dead (`rlgraph.runtime.r
 WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
 SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
 PG_REMOVE_S = 5.0  # closing waits this long for Ray to remove the placement groups
+GUEST_STOP_S = 5.0  # closing waits this long for the data plane to let go of a hosted source
 log = logging.getLogger("rlgraph.runtime")
 
 
@@ -75,6 +76,7 @@ class Fleet:
         self.workers: dict[str, list[Any]] = {}
         self.source: Any = None  # an actor handle, or `Hosted` (in the data plane's controller)
         self._source_hosted = False
+        self._source_token = ""  # names the hosted source's start (`guest.GuestHost.guest_stop`)
         self.stateful: dict[str, bool] = {}  # group -> keeps state beyond a call (restore it, not just restart)
         self.initial_source_state: Any = None
         self._pgs: dict[str, Any] = {}  # pool -> placement group
@@ -238,23 +240,27 @@ class Fleet:
 
         host = self.plane.guest_host() if self.plane is not None and self._hosts_source() else None
         if host is not None:  # one process less to start (rlgraph.runtime.dataplane.guest)
-            host.guest_start.remote(f"{SourceWorker.__module__}:{SourceWorker.__name__}", (self._plan_json, handle),
-                                    "data source", self.timeout_s)
+            import uuid
+
+            self._source_token = uuid.uuid4().hex
+            host.guest_start.remote(f"{SourceWorker.__module__}:{SourceWorker.__name__}",
+                                    (self._plan_json, handle, False), "data source", self.timeout_s, self._source_token)
             self.source, self._source_hosted = Hosted(host), True
             return
         self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
         self._source_hosted = False
 
     def _stop_source(self) -> None:
-        """Kill the source's actor; a hosted source closes its client (its host is the plane's)."""
+        """Kill the source's actor; a hosted source is closed and let go of by its host (the plane's
+        controller), waited for a few seconds at most."""
         import ray
 
         if self.source is None:
             return
         if self._source_hosted:
             try:
-                self.source.close.remote()
-            except Exception:  # the host died with its plane
+                ray.get(self.source.actor.guest_stop.remote(self._source_token), timeout=GUEST_STOP_S)
+            except Exception:  # the host died with its plane, or does not answer: it goes with the plane
                 pass
         else:
             ray.kill(self.source, no_restart=True)
@@ -328,11 +334,16 @@ class Fleet:
                 pass
         old.close()
         self.plane = self._start_dataplane()
-        return self.restart_source() + self.restart(list(self.workers))
+        self._stop_source()
+        self._create_source(self.plane.handle())
+        return 1 + self.restart(list(self.workers))
 
     def restart_source(self) -> int:
-        """Kill the data-source actor (a hosted one: let go of it) and start it again; returns the
-        actors started (1)."""
+        """Kill the data-source actor and start it again; returns the actors started. A hosted
+        source that died or stopped answering is a lost data plane: only ending its host ends a
+        call of it that hangs, so the plane is replaced (`restart_plane`)."""
+        if self._source_hosted:
+            return self.restart_plane()
         self._stop_source()
         self._create_source(self.plane.handle())
         return 1

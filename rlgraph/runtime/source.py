@@ -96,7 +96,10 @@ class SourceWorker:
     the driver; `produce` returns only the row metadata (group ids and padding tags).
     """
 
-    def __init__(self, plan_json: str, handle: Any = None) -> None:
+    def __init__(self, plan_json: str, handle: Any = None, freeze: bool = True) -> None:
+        """`freeze`: move the process's heap into Python's permanent generation once set up (`heap`),
+        as a process of its own does; not in a host's process, which froze its own and may host
+        several sources in turn (a test session's data plane)."""
         self.plan = Plan.model_validate_json(plan_json)
         if not self.plan.source_impl:
             raise SourceError(f"the plan's data source {self.plan.source!r} has no implementation (impl); give "
@@ -108,9 +111,10 @@ class SourceWorker:
         self.source = cls(dict(self.plan.config[self.plan.source]), TrainerSettings.of(self.plan).seed, **extra)
         self.columns = {c: self.plan.columns[c] for c in self.plan.source_columns}
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
-        from rlgraph import heap
+        if freeze:
+            from rlgraph import heap
 
-        heap.freeze()  # imports and the source's own data: out of the collector's full collections
+            heap.freeze()  # imports and the source's own data: out of the collector's full collections
 
     def connect(self, handle: Any) -> None:
         """Connect to the data plane (a source started before the plane was ready)."""

@@ -17,18 +17,30 @@ from rlgraph.runtime.dataplane import DataPlaneError
 from rlgraph.runtime.dataplane.guest import GuestHost, Hosted
 
 
-class Counter:
-    """A guest: counts its calls; fails to build when asked to."""
+CLOSED: list[int] = []
 
-    def __init__(self, start: int, fail: bool = False, delay_s: float = 0.0) -> None:
+
+class Counter:
+    """A guest: counts its calls; fails to build when asked to (`fail`: True raises a typed error,
+    "exit" calls sys.exit); `close` notes its start."""
+
+    def __init__(self, start: int, fail: bool | str = False, delay_s: float = 0.0) -> None:
         time.sleep(delay_s)
+        if fail == "exit":
+            sys.exit(3)
         if fail:
             raise BadGuest(f"cannot start at {start}")
-        self.n = start
+        self.start = self.n = start
 
     def bump(self, by: int = 1) -> int:
         self.n += by
         return self.n
+
+    def leave(self) -> None:
+        sys.exit(0)
+
+    def close(self) -> None:
+        CLOSED.append(self.start)
 
 
 class BadGuest(RLGraphError):
@@ -70,6 +82,38 @@ def test_a_guest_that_fails_to_build_raises_its_own_error_at_each_call_and_the_h
             host.guest_call("bump")
     host.guest_start(IMPL, (3,), "counter", timeout_s=10)
     assert host.guest_call("bump") == 4
+
+
+def test_a_guest_is_closed_when_stopped_by_its_own_token_or_replaced_even_while_it_builds():
+    CLOSED.clear()
+    host = GuestHost()
+    host.guest_start(IMPL, (1,), "counter", timeout_s=10, token="a")
+    assert host.guest_call("bump") == 2
+    host.guest_stop("b")  # a late stop of another start: nothing happens
+    assert host.guest_call("bump") == 3 and CLOSED == []
+    host.guest_stop("a")
+    assert CLOSED == [1]
+    with pytest.raises(DataPlaneError, match="no guest was started"):
+        host.guest_call("bump")
+    host.guest_start(IMPL, (5, False, 0.5), "counter", timeout_s=10, token="c")  # still building when replaced
+    host.guest_start(IMPL, (7,), "counter", timeout_s=10, token="d")
+    assert host.guest_call("bump") == 8  # the newer guest answers
+    deadline = time.time() + 5
+    while 5 not in CLOSED and time.time() < deadline:
+        time.sleep(0.05)
+    assert CLOSED == [1, 5]  # the replaced build closed what it made, once it had made it
+    host.guest_start(IMPL, (9,), "counter", timeout_s=10, token="e")
+    assert host.guest_call("bump") == 10 and CLOSED == [1, 5, 7]  # a built guest is closed when replaced
+
+
+def test_a_guest_that_exits_is_a_typed_error_not_the_host_s_end():
+    host = GuestHost()
+    host.guest_start(IMPL, (0, "exit"), "counter", timeout_s=10)
+    with pytest.raises(DataPlaneError, match=r"the counter stopped while it was built: SystemExit\(3\)"):
+        host.guest_call("bump")
+    host.guest_start(IMPL, (0,), "counter", timeout_s=10)
+    with pytest.raises(DataPlaneError, match=r"the counter's leave stopped: SystemExit\(0\)"):
+        host.guest_call("leave")
 
 
 def test_a_guest_that_does_not_build_in_time_is_a_typed_error_naming_it():
