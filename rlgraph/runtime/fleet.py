@@ -180,7 +180,7 @@ class Fleet:
         units = self._storage_units()
         kind = "Ray object store" if self._backend == "ray" else (
             f"TransferQueue, {units} storage unit(s)"
-            + (" in its controller's process" if units == 1 and self.dataplane_settings.host_unit else "")
+            + (" in its controller's process" if self.plane.config.unit_hosted else "")
             + (", large columns through shared memory" if self.plane.uses_shared_memory() else ""))
         self._on_phase(f"data plane: {kind} ({time.time() - t0:.1f}s, beside the workers' start)")
 
@@ -238,7 +238,7 @@ class Fleet:
         from rlgraph.runtime.dataplane.guest import Hosted
         from rlgraph.runtime.source import SourceWorker
 
-        host = self.plane.guest_host() if self.plane is not None and self._hosts_source() else None
+        host = self.plane.guest_host() if self.plane is not None and self.dataplane_settings.host_source else None
         if host is not None:  # one process less to start (rlgraph.runtime.dataplane.guest)
             import uuid
 
@@ -334,16 +334,16 @@ class Fleet:
                 pass
         old.close()
         self.plane = self._start_dataplane()
-        self._stop_source()
-        self._create_source(self.plane.handle())
-        return 1 + self.restart(list(self.workers))
+        return self._replace_source() + self.restart(list(self.workers))
 
     def restart_source(self) -> int:
         """Kill the data-source actor and start it again; returns the actors started. A hosted
         source that died or stopped answering is a lost data plane: only ending its host ends a
         call of it that hangs, so the plane is replaced (`restart_plane`)."""
-        if self._source_hosted:
-            return self.restart_plane()
+        return self.restart_plane() if self._source_hosted else self._replace_source()
+
+    def _replace_source(self) -> int:
+        """Let go of the source and start a new one on the current plane; returns 1."""
         self._stop_source()
         self._create_source(self.plane.handle())
         return 1
