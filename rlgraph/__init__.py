@@ -12,8 +12,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from rlgraph import imports
 from rlgraph.errors import ConfigError, DeclarationError, PipelineError, PlanError, RLGraphError
 from rlgraph.version import __version__
+
+imports.install()  # transformers' import table read back, not rebuilt, in every process (rlgraph.imports)
 
 if TYPE_CHECKING:
     from rlgraph.graph.columns import ColumnType, T

@@ -30,7 +30,7 @@ import click
 from rich.console import Console
 
 from rlgraph.version import __version__
-from rlgraph.errors import ConfigError, PipelineError, RLGraphError
+from rlgraph.errors import ConfigError, PipelineError, RLGraphError, StepTimeout
 from rlgraph.graph import describe as show
 from rlgraph.graph.build import build
 from rlgraph.graph.compile import compile_pipeline
@@ -435,13 +435,21 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
     from rlgraph.runtime.cluster import start_ray
 
     loaded: dict[str, BaseException] = {}
+    checked: dict[str, BaseException] = {}
 
     def load() -> None:
         try:
             from rlgraph.runtime.runner import prepare
-            prepare(plan)  # the prepare hook, then the data's head and the tokenizer checked
+            prepare(plan, check=False)  # the prepare hook: the assets the workers load
         except BaseException as e:  # raised on the main thread below
             loaded["error"] = e
+
+    def check() -> None:
+        try:
+            from rlgraph.runtime.source import preflight
+            preflight(plan)  # the data's head and the tokenizer
+        except BaseException as e:  # raised by the fleet, before it waits for the workers
+            checked["error"] = e
 
     loader = handles["loader"] = threading.Thread(target=load, name="rlgraph_import", daemon=True)
     loader.start()
@@ -456,6 +464,19 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
         loader.join()
         if "error" in loaded:
             raise loaded["error"]
+        # the data's head and the tokenizer are checked while the workers' actors start (their
+        # imports take seconds); the run waits for the check before it waits for them
+        checker = threading.Thread(target=check, name="rlgraph_preflight", daemon=True)
+        checker.start()
+
+        def checks() -> None:
+            checker.join(timeout_s)
+            if checker.is_alive():
+                raise StepTimeout(f"the check of the data's first rows and the tokenizer (the source's preflight) "
+                                  f"did not end in {timeout_s:g}s; rlgraph validate runs it alone")
+            if "error" in checked:
+                raise checked["error"]
+
         from rlgraph.runtime.reporting import make_reporter
         from rlgraph.runtime.runner import RunOptions, Runner
 
@@ -463,7 +484,7 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
                              overwrite=overwrite, fallback=fallback,
                              timeout_s=timeout_s, dataplane=dataplane, reporter=make_reporter(out, plan),
                              on_ray_started=_interrupt_on_signals, verbose=verbose, trace_steps=trace_steps,
-                             keep_records=False, ray=ray_handle)  # metrics.jsonl has every record
+                             keep_records=False, ray=ray_handle, checks=checks)  # metrics.jsonl has every record
         runner = Runner(plan, options)
         with runner:  # stops everything it started, Ray included, also on Ctrl-C
             runner.run()

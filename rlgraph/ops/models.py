@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 import torch
 
 from rlgraph.errors import RLGraphError
+from rlgraph.imports import cache_dir
 
 __all__ = [
     "build_once",
@@ -272,11 +273,8 @@ class TokenizerClasses:
     KEEP = 256  # entries kept, the most recently used
 
     def __init__(self) -> None:
-        try:
-            cache = os.environ.get("RLGRAPH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "rlgraph"
-            self.path: Path | None = Path(cache).expanduser() / self.FILE
-        except RuntimeError:  # no home directory to expand ~ into
-            self.path = None
+        cache = cache_dir()
+        self.path: Path | None = cache / self.FILE if cache is not None else None
 
     @staticmethod
     def key(directory: Path) -> str | None:

@@ -12,8 +12,13 @@ run does not use, the dashboard's API server (state and job APIs, usage statisti
 itself is off), the autoscaler's monitor and, unless ``--verbose`` streams the workers' output, the
 log monitor. Each is a process that imports Ray's Python side, about 1.5 CPU-seconds in all, and
 ``ray.init`` waits for the API server before it returns (2.6 s -> 1.8 s on 2 cores, where start-up
-is bound by the CPU). ``RLGRAPH_RAY_HEAD=full`` starts them (``ray list``, ``ray status`` and job
-submission need them).
+is bound by the CPU). Two more changes to the same call: the dashboard agent the raylet starts is
+its minimal one (no HTTP server: nothing reaches it without the API server), so this process
+skips importing the agent's web dependencies to decide that; and ``ray.init`` learns that its node
+registered by asking every 20 ms (`NODE_POLL_S`) instead of Ray's own wait, which checks once a
+second (``GlobalStateAccessor::GetNode``) for a node that registers after 0.7-1.4 s here, so it
+returned on the next whole second. ``RLGRAPH_RAY_HEAD=full`` starts Ray as it is (``ray list``,
+``ray status`` and job submission need the API server).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ LOOPBACK = "127.0.0.1"
 MARKER = "rlgraph_started"  # written into the session directory of every Ray an rlgraph run starts
 SESSIONS_KEPT = 5  # finished rlgraph sessions kept in Ray's temp folder (RLGRAPH_RAY_SESSIONS_KEPT)
 RAY_HEAD_ENV = "RLGRAPH_RAY_HEAD"  # "full": a local Ray starts its API server and monitors too
+NODE_POLL_S = 0.02  # how often a lean start asks whether its node registered (`lean_head`)
+NODE_WAIT_S = 30.0  # Ray's own wait for it (raylet_start_wait_time_s)
 
 
 class ClusterError(RLGraphError):
@@ -155,16 +162,20 @@ def start_ray(plan: Plan, address: str | None = None, verbose: bool = False) -> 
 @contextlib.contextmanager
 def lean_head(verbose: bool = False) -> Iterator[None]:
     """While ``ray.init`` starts a local Ray in this process: no dashboard API server, no autoscaler
-    monitor, and no log monitor unless `verbose` (see the module). Ray's ``ray.init`` has no option
-    for them, so its node parameters and its node's API-server start are replaced for that call
-    only (Ray pinned to 2.60.x, whose layout this is; another layout starts Ray as it is)."""
+    monitor, no log monitor unless `verbose`, the minimal dashboard agent, and the wait for the node
+    in steps of `NODE_POLL_S` (see the module). Ray's ``ray.init`` has no option for them, so its
+    node parameters, its node's API-server start, its check for the dashboard's dependencies and
+    its node lookup are replaced for that call only (Ray pinned to 2.60.x, whose layout this is;
+    another layout starts Ray as it is)."""
     if os.environ.get(RAY_HEAD_ENV, "lean") == "full":
         yield
         return
     try:
-        from ray._private import node, parameter
+        from ray._private import node, parameter, services
+        from ray._private import utils as ray_utils
 
         params, api_server = parameter.RayParams.__init__, node.Node.start_api_server
+        get_node, agent_deps = services.get_node, ray_utils.get_dashboard_dependency_error
     except (ImportError, AttributeError):  # pragma: no cover - another Ray's layout
         yield
         return
@@ -177,13 +188,43 @@ def lean_head(verbose: bool = False) -> Iterator[None]:
     def no_api_server(self: object, **_: object) -> None:
         self._webui_url = None  # type: ignore[attr-defined]  # what the node reports as its dashboard
 
+    def minimal_agent() -> ImportError:  # read as "the dashboard's dependencies are absent": --minimal
+        return ImportError("rlgraph's lean local Ray: the dashboard agent without its HTTP server")
+
+    def registered_node(gcs_address: str, node_id: str) -> object:
+        _wait_for_node(gcs_address, node_id)
+        return get_node(gcs_address, node_id)  # found now: Ray's own call returns at once
+
     parameter.RayParams.__init__ = lean_params  # type: ignore[method-assign]
     node.Node.start_api_server = no_api_server  # type: ignore[method-assign]
+    services.get_node, ray_utils.get_dashboard_dependency_error = registered_node, minimal_agent
     try:
         yield
     finally:
         parameter.RayParams.__init__ = params  # type: ignore[method-assign]
         node.Node.start_api_server = api_server  # type: ignore[method-assign]
+        services.get_node, ray_utils.get_dashboard_dependency_error = get_node, agent_deps
+
+
+def _wait_for_node(gcs_address: str, node_id: str) -> None:
+    """Until the GCS at `gcs_address` lists node `node_id` alive, asking every `NODE_POLL_S`, for at
+    most `NODE_WAIT_S` (then Ray's own wait says what is missing)."""
+    import time
+
+    from ray._private import services, state
+
+    gcs = state.GlobalState()
+    try:
+        gcs._initialize_global_state(services._get_gcs_client_options(gcs_address))
+        end = time.monotonic() + NODE_WAIT_S
+        while time.monotonic() < end:
+            if any(n.get("NodeID") == node_id and n.get("Alive") for n in gcs.node_table()):
+                return
+            time.sleep(NODE_POLL_S)
+    except Exception as e:  # noqa: BLE001 - Ray's own wait, after this, reports what is wrong
+        log.debug("waiting for the node in the GCS: %s", e)
+    finally:
+        gcs.disconnect()
 
 
 @contextlib.contextmanager

@@ -54,11 +54,14 @@ class Fleet:
     def __init__(self, plan: Plan, timeout_s: float, dataplane: str | None = None, address: str | None = None,
                  plane: Any = None, on_ray_started: Any = None, verbose: bool = False,
                  on_phase: Callable[[str], None] | None = None, inject_faults: bool = False,
-                 ray_handle: RayHandle | None = None) -> None:
+                 ray_handle: RayHandle | None = None, checks: Callable[[], None] | None = None) -> None:
         """`plane`: an already started data plane to use (and leave running), e.g. a test session's.
         `on_phase` is told, in a line each, when a start-up phase is done and how long it took.
         `inject_faults`: start workers that take the runner's fault-injection hook (tests).
-        `ray_handle`: a Ray the caller started for this run (used, and stopped at the end)."""
+        `ray_handle`: a Ray the caller started for this run (used, and stopped at the end).
+        `checks`: called once, when the first workers' actors are created and before the fleet waits
+        for them (the CLI's preflight, run beside their start); what it raises stops the start."""
+        self._checks = checks
         self._inject_faults = inject_faults
         self._on_phase = on_phase or (lambda message: None)
         self.plan = plan
@@ -146,6 +149,9 @@ class Fleet:
             self._create_group(g.name, handle)
         if self._plane_job is None or not self._hosts_source():  # else the plane's start makes it
             self._create_source(handle)
+        checks, self._checks = self._checks, None
+        if checks is not None:  # beside the actors' start; a failure stops them (close)
+            checks()
         names = list(self.workers)
         meet = self._rendezvous(names)
         actors = sum(len(ws) for ws in self.workers.values())

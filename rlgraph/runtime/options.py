@@ -37,4 +37,7 @@ class RunOptions:
     # a Ray this run already started (`rlgraph run` starts it while the runtime's modules import); the
     # fleet uses it, and stops it at the end, instead of starting one
     ray: Any = None
+    # called once the workers' actors are created, before the run waits for them to start: the CLI's
+    # preflight of the data and tokenizer, run beside their start; it raises to stop the run
+    checks: Callable[[], None] | None = None
     keep_records: bool = True  # run() returns every step's record (metrics.jsonl has them all either way)

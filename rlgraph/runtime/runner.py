@@ -63,7 +63,7 @@ class Runner:
         self.reporter: Reporter = options.reporter or Reporter()
         self.fleet = Fleet(plan, options.timeout_s, options.dataplane, options.address, plane, options.on_ray_started,
                            options.verbose, on_phase=lambda message: self.reporter.phase(message),
-                           inject_faults=bool(options.faults), ray_handle=options.ray)
+                           inject_faults=bool(options.faults), ray_handle=options.ray, checks=options.checks)
         self._spans: deque[list[Span]] = deque(maxlen=options.trace_steps or None)  # per step, the latest
         self.written = 0  # steps whose records this run wrote
         self.headline = [f"{name}/mean" for name in plan.summaries.values()]
@@ -325,11 +325,13 @@ class Runner:
         inflight[ref] = (lv.key, call)
 
 
-def prepare(plan: Plan) -> None:
-    """The pipeline's prepare hook (local assets: data, tiny models), then the source's `preflight`."""
+def prepare(plan: Plan, check: bool = True) -> None:
+    """The pipeline's prepare hook (local assets: data, tiny models), then, with `check`, the
+    source's `preflight` (`rlgraph run` runs it beside the workers' start: `RunOptions.checks`)."""
     if plan.prepare:
         resolve_impl(plan.prepare, plan.prepare_file)[0](plan.config)
-    preflight(plan)
+    if check:
+        preflight(plan)
 
 
 def run_plan(plan: Plan, options: RunOptions, plane: Any = None) -> list[dict[str, Any]]:

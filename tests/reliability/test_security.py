@@ -276,3 +276,31 @@ def test_a_local_ray_starts_without_the_head_processes_a_run_does_not_use(tmp_pa
     assert "gcs_server" in line and "raylet" in line and "dashboard/agent.py" in line, line
     for process in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py"):
         assert (process in line) == (head == "full"), (process, line)
+    # the agent renames its process; the raylet's command line holds the one it started it with
+    raylet = next(p for p in line[len("PROCESSES "):].split(" | ") if p.split()[0].endswith("/raylet"))
+    agent = raylet.split("--dashboard_agent_command=", 1)[1].split("--runtime_env_agent_command=", 1)[0]
+    assert ("--minimal" in agent.split()) == (head == "lean"), agent  # lean: the agent without its HTTP server
+
+
+@pytest.mark.ray
+def test_a_lean_start_waits_for_its_node_in_short_steps(ray_cluster, monkeypatch):
+    """`cluster._wait_for_node` (Ray's own wait checks once a second): it returns as soon as the GCS
+    lists the node alive, and gives up after NODE_WAIT_S for a node that never registers, leaving
+    Ray's own lookup to say so."""
+    import time
+
+    from rlgraph.runtime import cluster
+
+    ctx = ray_cluster.get_runtime_context()
+    gcs, node = ctx.gcs_address, ctx.get_node_id()
+    t0 = time.monotonic()
+    cluster._wait_for_node(gcs, node)
+    assert time.monotonic() - t0 < 0.5
+    monkeypatch.setattr(cluster, "NODE_WAIT_S", 0.3)
+    polls = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (polls.append(s), real_sleep(s)))
+    t0 = time.monotonic()
+    cluster._wait_for_node(gcs, "ab" * 28)  # no such node
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert len(polls) >= 5 and set(polls) == {cluster.NODE_POLL_S}

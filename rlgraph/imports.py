@@ -1,0 +1,211 @@
+"""Process start-up without rereading transformers' source: its import structure, remembered.
+
+``import transformers`` and the first import of anything under ``transformers.models`` (a tokenizer
+class, a model class) each build transformers' lazy import table by reading every Python file of
+its ``models`` package and scanning it for ``__all__`` and backend markers
+(``transformers.utils.import_utils.define_import_structure``): about 2,400 files, 0.2-0.4 s of
+CPU each time, twice in every process that loads a tokenizer or a model (the driver's preflight,
+the data source, each worker). The table depends only on those files, so this module remembers
+it on disk, in rlgraph's cache (`cache_dir`), and later processes read it back (a few ms) after
+checking that no file of the package changed: an entry holds a fingerprint of the directory's
+tree (each ``.py`` file's path, size and modification time) and the transformers version, and
+a mismatch scans again. Measured in docs/performance.md (start-up).
+
+`install` (called when rlgraph is imported) puts a one-shot import hook in ``sys.meta_path``
+that wraps ``define_import_structure`` as soon as transformers defines it, before transformers
+uses it; it does nothing if transformers already built its table in this process. Anything that
+fails here (an unreadable or read-only cache, a transformers without that function) means
+"nothing remembered": transformers scans, as it does without rlgraph. ``RLGRAPH_IMPORT_CACHE=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["SWITCH", "ImportStructures", "cache_dir", "install"]
+
+SWITCH = "RLGRAPH_IMPORT_CACHE"  # "0": transformers scans its sources in every process, as it does alone
+TARGET = "transformers.utils.import_utils"
+
+
+def cache_dir() -> Path | None:
+    """rlgraph's cache: ``$RLGRAPH_CACHE``, else ``$XDG_CACHE_HOME/rlgraph``, else
+    ``~/.cache/rlgraph`` (None without a home directory to expand ``~`` into)."""
+    try:
+        base = os.environ.get("RLGRAPH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "rlgraph"
+        return Path(base).expanduser()
+    except RuntimeError:
+        return None
+
+
+class ImportStructures:
+    """The results of ``define_import_structure(path, prefix)`` on disk, one JSON file per
+    transformers version (``transformers_imports-<version>.json`` in `cache_dir`), each entry
+    checked against its directory's fingerprint when read. Writes are atomic (several processes
+    start at once); a lost write costs one scan."""
+
+    def __init__(self, version: str, directory: Path | None = None) -> None:
+        directory = directory or cache_dir()
+        safe = "".join(c if c.isalnum() or c in ".-+" else "_" for c in version)
+        self.path = directory / f"transformers_imports-{safe}.json" if directory is not None else None
+        self._prints: dict[str, str] = {}  # directory -> its fingerprint, computed once per process
+        self._entries: dict[str, Any] | None = None
+
+    def fingerprint(self, directory: Path) -> str:
+        """A hash of every ``.py`` file under `directory`: its path, size and modification time."""
+        key = str(directory)
+        if key not in self._prints:
+            h = hashlib.sha256()
+            for root, dirs, files in os.walk(directory):
+                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+                for name in sorted(files):
+                    if name.endswith(".py"):
+                        st = os.stat(os.path.join(root, name))
+                        h.update(f"{os.path.relpath(root, directory)}/{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+            self._prints[key] = h.hexdigest()
+        return self._prints[key]
+
+    def _read(self) -> dict[str, Any]:
+        if self._entries is None:
+            try:
+                raw = json.loads(self.path.read_text()) if self.path is not None else {}
+                self._entries = dict(raw) if isinstance(raw, dict) else {}
+            except (OSError, ValueError, TypeError):
+                self._entries = {}
+        return self._entries
+
+    def get(self, directory: Path, prefix: str | None) -> Any:
+        """The remembered structure, decoded into fresh objects, or None."""
+        entry = self._read().get(f"{directory}|{prefix}")
+        if not isinstance(entry, dict) or entry.get("fingerprint") != self.fingerprint(directory):
+            return None
+        try:
+            return _decode(entry["structure"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, directory: Path, prefix: str | None, structure: Any) -> None:
+        if self.path is None:
+            return
+        entries = self._read()
+        entries[f"{directory}|{prefix}"] = {"fingerprint": self.fingerprint(directory), "structure": _encode(structure)}
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".transformers_imports.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f)
+            os.replace(tmp, self.path)
+        except OSError:  # a read-only cache: every process scans
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+
+def _encode(x: Any) -> Any:
+    """JSON for the structure's types: dicts (str or frozenset keys), sets, frozensets, strings."""
+    if isinstance(x, dict):
+        return {"d": [[_encode(k), _encode(v)] for k, v in x.items()]}
+    if isinstance(x, frozenset):
+        return {"f": sorted(_encode(v) for v in x)}
+    if isinstance(x, set):
+        return {"s": sorted(_encode(v) for v in x)}
+    if isinstance(x, str):
+        return x
+    raise TypeError(f"cannot remember a {type(x).__name__} in transformers' import structure")
+
+
+def _decode(x: Any) -> Any:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, dict) and len(x) == 1:
+        (tag, value), = x.items()
+        if tag == "d":
+            return {_decode(k): _decode(v) for k, v in value}
+        if tag == "f":
+            return frozenset(_decode(v) for v in value)
+        if tag == "s":
+            return {_decode(v) for v in value}
+    raise ValueError(f"not an encoded import structure: {str(x)[:80]}")
+
+
+def remembering(define: Callable[..., Any], store: ImportStructures) -> Callable[..., Any]:
+    """`define` (transformers' ``define_import_structure``) answered from `store` where it can.
+    A result is encoded before it is returned: transformers changes the table it gets."""
+
+    def define_import_structure(module_path: Any, prefix: str | None = None) -> Any:
+        try:
+            path = Path(module_path)
+            directory = (path if path.is_dir() else path.parent).resolve()
+            found = store.get(directory, prefix)
+        except (OSError, ValueError):
+            return define(module_path, prefix)
+        if found is not None:
+            return found
+        result = define(module_path, prefix)
+        try:
+            store.put(directory, prefix, result)
+        except (OSError, TypeError, ValueError):
+            pass
+        return result
+
+    define_import_structure.remembered = define  # type: ignore[attr-defined]
+    return define_import_structure
+
+
+def _patch(module: Any) -> None:
+    define = getattr(module, "define_import_structure", None)
+    if define is None or hasattr(define, "remembered"):
+        return
+    try:
+        from importlib.metadata import version
+
+        store = ImportStructures(version("transformers"))
+    except Exception:  # no metadata (a source tree on the path): transformers scans
+        return
+    module.define_import_structure = remembering(define, store)
+
+
+class _Hook:
+    """A one-shot ``sys.meta_path`` finder: finds `TARGET` with the other finders and patches the
+    module right after it runs, before the package that imported it goes on."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != TARGET:
+            return None
+        _remove_hook()
+        from importlib.util import find_spec
+
+        spec = find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _patch(module)
+
+        loader.exec_module = exec_module  # type: ignore[union-attr]
+        return spec
+
+
+def _remove_hook() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Hook)]
+
+
+def install() -> None:
+    """Remember transformers' import structure in this process (see the module's docstring)."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return
+    module = sys.modules.get(TARGET)
+    if module is not None:  # transformers is imported: its models' table may still be built
+        _patch(module)
+    elif not any(isinstance(f, _Hook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Hook())
