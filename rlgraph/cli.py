@@ -30,7 +30,7 @@ import click
 from rich.console import Console
 
 from rlgraph.version import __version__
-from rlgraph.errors import ConfigError, PipelineError, RLGraphError, StepTimeout
+from rlgraph.errors import ConfigError, PipelineError, RLGraphError
 from rlgraph.graph import describe as show
 from rlgraph.graph.build import build
 from rlgraph.graph.compile import compile_pipeline
@@ -435,7 +435,6 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
     from rlgraph.runtime.cluster import start_ray
 
     loaded: dict[str, BaseException] = {}
-    checked: dict[str, BaseException] = {}
 
     def load() -> None:
         try:
@@ -444,12 +443,12 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
         except BaseException as e:  # raised on the main thread below
             loaded["error"] = e
 
-    def check() -> None:
-        try:
-            from rlgraph.runtime.source import preflight
-            preflight(plan)  # the data's head and the tokenizer
-        except BaseException as e:  # raised by the fleet, before it waits for the workers
-            checked["error"] = e
+    def checks() -> None:
+        """The data's head and the tokenizer, checked by the fleet once the workers' actors are
+        created: while their processes import, before it waits for them."""
+        from rlgraph.runtime.source import preflight
+
+        preflight(plan)
 
     loader = handles["loader"] = threading.Thread(target=load, name="rlgraph_import", daemon=True)
     loader.start()
@@ -464,19 +463,6 @@ def _run(target: str, overrides: tuple[str, ...], out_dir: Path | None, steps: i
         loader.join()
         if "error" in loaded:
             raise loaded["error"]
-        # the data's head and the tokenizer are checked while the workers' actors start (their
-        # imports take seconds); the run waits for the check before it waits for them
-        checker = threading.Thread(target=check, name="rlgraph_preflight", daemon=True)
-        checker.start()
-
-        def checks() -> None:
-            checker.join(timeout_s)
-            if checker.is_alive():
-                raise StepTimeout(f"the check of the data's first rows and the tokenizer (the source's preflight) "
-                                  f"did not end in {timeout_s:g}s; rlgraph validate runs it alone")
-            if "error" in checked:
-                raise checked["error"]
-
         from rlgraph.runtime.reporting import make_reporter
         from rlgraph.runtime.runner import RunOptions, Runner
 

@@ -197,7 +197,9 @@ class _Hook:
 
 
 def _remove_hook() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Hook)]
+    # a new list, never the old one changed in place: another thread may be importing, walking the
+    # old list, and would skip a finder (an import of an existing module failing) if it shifted
+    sys.meta_path = [f for f in sys.meta_path if not isinstance(f, _Hook)]
 
 
 def install() -> None:
@@ -208,4 +210,4 @@ def install() -> None:
     if module is not None:  # transformers is imported: its models' table may still be built
         _patch(module)
     elif not any(isinstance(f, _Hook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Hook())
+        sys.meta_path = [_Hook(), *sys.meta_path]  # a new list, as `_remove_hook` makes

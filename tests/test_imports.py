@@ -133,3 +133,26 @@ def test_installed_after_transformers_it_still_remembers_the_models_table(tmp_pa
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False", "False"]
+
+
+def test_the_hook_never_changes_the_finder_list_another_thread_may_be_walking():
+    """An import on another thread walks the list `sys.meta_path` was when it began; installing or
+    removing the hook in place would shift it under that walk, and the walk would skip a finder (an
+    existing module "not found": a run failed so, importing tensordict beside the preflight's
+    transformers). Both make a new list."""
+    code = ("import sys\n"
+            "from rlgraph import imports\n"
+            "sys.meta_path = [f for f in sys.meta_path if not isinstance(f, imports._Hook)]\n"
+            "before = sys.meta_path; kept = list(before)\n"
+            "imports.install()\n"
+            "assert sys.meta_path is not before and before == kept, 'install changed the list in place'\n"
+            "assert isinstance(sys.meta_path[0], imports._Hook)\n"
+            "walking = sys.meta_path; kept = list(walking)\n"
+            "import transformers.utils.import_utils as iu\n"
+            "assert walking == kept, 'the hook removed itself in place'\n"
+            "assert not any(isinstance(f, imports._Hook) for f in sys.meta_path)\n"
+            "print(hasattr(iu.define_import_structure, 'remembered'))\n")
+    env = {**os.environ, imports.SWITCH: "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]

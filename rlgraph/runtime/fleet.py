@@ -84,6 +84,7 @@ class Fleet:
         self.initial_source_state: Any = None
         self._pgs: dict[str, Any] = {}  # pool -> placement group
         self._plane_job: concurrent.futures.Future | None = None  # the data plane starting beside the workers
+        self._starter: concurrent.futures.ThreadPoolExecutor | None = None  # runs `_plane_job`
         self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
         self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
@@ -115,15 +116,13 @@ class Fleet:
         self._on_phase(f"Ray: {how}, {len(self.nodes)} node(s), {cpus:g} CPUs ({time.time() - t0:.1f}s)")
         # the data plane starts on a thread while the workers start and load their models; they connect
         # to it once both are up (its actors' CPUs are reserved by the plan beside the pools')
-        starter = None
-        if self.plane is None:
-            starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
-            self._plane_job = starter.submit(self._timed_plane_start)
+        self._starter = None
         try:
             self._start_workers()
         finally:
-            if starter is not None:
-                starter.shutdown(wait=True)  # on a failure too: close() then stops what it started
+            if self._starter is not None:
+                self._starter.shutdown(wait=True)  # on a failure too: close() then stops what it started
+                self._starter = None
         heap.freeze()  # the driver's imports, plan and handles: out of the collector's full collections
 
     def _start_workers(self) -> None:
@@ -144,11 +143,17 @@ class Fleet:
             except ray.exceptions.GetTimeoutError:
                 raise StepTimeout(f"placement group for pool {pool!r} was not ready after {self.timeout_s:g}s; "
                                   f"Ray's free resources now: {ray.available_resources()}") from None
-        handle = self.plane.handle() if self._plane_job is None else None  # None: connect once the plane is up
+        own_plane = self.plane is None
+        handle = None if own_plane else self.plane.handle()  # None: they connect once the plane is up
         for g in self.plan.groups:
             self._create_group(g.name, handle)
-        if self._plane_job is None or not self._hosts_source():  # else the plane's start makes it
+        if not own_plane or not self._hosts_source():  # else the plane's start makes it
             self._create_source(handle)
+        # the actors first (their processes start importing), then the plane's start on a thread and
+        # the caller's checks here: this process's imports would otherwise hold back the submissions
+        if own_plane:
+            self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
+            self._plane_job = self._starter.submit(self._timed_plane_start)
         checks, self._checks = self._checks, None
         if checks is not None:  # beside the actors' start; a failure stops them (close)
             checks()

@@ -38,6 +38,6 @@ class RunOptions:
     # fleet uses it, and stops it at the end, instead of starting one
     ray: Any = None
     # called once the workers' actors are created, before the run waits for them to start: the CLI's
-    # preflight of the data and tokenizer, run beside their start; it raises to stop the run
+    # preflight of the data and tokenizer, run while their processes import; it raises to stop the run
     checks: Callable[[], None] | None = None
     keep_records: bool = True  # run() returns every step's record (metrics.jsonl has them all either way)
