@@ -4,9 +4,15 @@ Each run is `rlgraph run examples/grpo.py --steps 2` in a process of its own (th
 beforehand, as a user's second run finds it). Runs alternate between rlgraph as it is, rlgraph
 with TransferQueue's storage unit and the data source in processes of their own
 (``dataplane.host_unit=false dataplane.host_source=false``; by default both run in TransferQueue's
-controller's process) and rlgraph with ``RLGRAPH_LEAN_TENSORDICT=0`` (tensordict imported as it
+controller's process), rlgraph with ``RLGRAPH_LEAN_TENSORDICT=0`` (tensordict imported as it
 is, with `torch._dynamo`: what every data-plane process paid before
-`rlgraph.runtime.dataplane.lean`), so the machine's noise falls on all alike. The table gives
+`rlgraph.runtime.dataplane.lean`), rlgraph with ``RLGRAPH_IMPORT_CACHE=0`` (transformers reads its
+`models` sources to build its import table in every process that loads a tokenizer or a model:
+what they paid before `rlgraph.imports`) and rlgraph with ``RLGRAPH_RAY_HEAD=full`` (Ray started as
+it is: its dashboard API server, autoscaler monitor, log monitor and full dashboard agent, and
+its own one-second wait for the node; `rlgraph.runtime.cluster.lean_head`), so the machine's noise
+falls on all alike. The caches of a user's second run (the tokenizer's class, transformers' import
+table) are written beforehand. The table gives
 medians over the runs of: start-up (process start to the first step's start, as in the TRL
 comparison), each phase line the run prints, and the CPU time the whole machine spent until the
 first step's end (all processes: Ray's, the workers', TQ's; from /proc/stat), which shows whether
@@ -36,10 +42,14 @@ PHASES = {  # phase -> the pattern of its line (seconds in the first group)
     "models loaded, after the workers": r"model load: .*\(([\d.]+)s\)",
 }
 OWN = "unit and source on their own"
+SCANNED = "transformers' table scanned"
+FULL_RAY = "Ray as it is"
 VARIANTS = {  # name -> (environment, config overrides)
     "rlgraph": ({"RLGRAPH_LEAN_TENSORDICT": "1"}, []),
     OWN: ({"RLGRAPH_LEAN_TENSORDICT": "1"}, ["dataplane.host_unit=false", "dataplane.host_source=false"]),
     "tensordict as it is": ({"RLGRAPH_LEAN_TENSORDICT": "0"}, []),
+    SCANNED: ({"RLGRAPH_LEAN_TENSORDICT": "1", "RLGRAPH_IMPORT_CACHE": "0"}, []),
+    FULL_RAY: ({"RLGRAPH_LEAN_TENSORDICT": "1", "RLGRAPH_RAY_HEAD": "full"}, []),
 }
 TIMEOUT_S = 300  # one run, start-up and two steps
 
@@ -105,7 +115,11 @@ class _ProcessCPU:
 def _prepare() -> None:
     from benchmarks.trl_peer import _model
 
-    _model()
+    model = _model()
+    # a second run's caches: the tokenizer's class and transformers' import table (`rlgraph.imports`)
+    warm = f"import rlgraph; from rlgraph.ops.models import load_tokenizer; load_tokenizer({model!r})"
+    subprocess.run([str(common.ROOT / ".venv" / "bin" / "python"), "-c", warm], check=True, timeout=TIMEOUT_S,
+                   env={**os.environ, "RLGRAPH_IMPORT_CACHE": "1"})
 
 
 def _one(env: dict[str, str], args: list[str], out: Path, steps: int) -> dict[str, Any]:
@@ -171,14 +185,15 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
         per_process.add(k, statistics.median(x["processes"].get(k, (0, 0.0))[0] for x in got["rlgraph"]), cpu_of[k])
     per_process.print()
     spent = ", ".join(f"{k} {cpu:.1f} s" for k, cpu in cpu_of.items())
-    hosted, own, full = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
+    hosted, own, full, scanned, ray_full = (statistics.median(x["start-up"] for x in got[n]) for n in VARIANTS)
     cpu_own = statistics.median(x["cpu"] for x in got[OWN])
     cores = os.cpu_count() or 1
     cpu = statistics.median(x["cpu"] for x in got["rlgraph"])
     wall = statistics.median(x["wall to step 0's end"] for x in got["rlgraph"])
     notes = (f"Start-up {hosted:.1f} s against {own:.1f} s with TransferQueue's storage unit and the data source in "
              f"processes of their own ({cpu:.0f} against {cpu_own:.0f} CPU seconds), and {full:.1f} s with tensordict "
-             f"imported as it is. The machine was busy {cpu:.0f} CPU seconds until step 0 ended, "
+             f"imported as it is; {scanned:.1f} s with transformers' import table built by scanning its sources in "
+             f"each process, and {ray_full:.1f} s with Ray started as it is. The machine was busy {cpu:.0f} CPU seconds until step 0 ended, "
              f"{cpu / (wall * cores):.0%} of its {cores} cores over those {wall:.1f} s: start-up is bound by the CPU "
              f"(each Python process of the run imports torch; the actor imports transformers' model code, the driver, "
              f"the controller, which hosts the data source, and the reward worker only its tokenizers), so it shortens "

@@ -268,14 +268,16 @@ def test_trl_peer_quick(tmp_path):
 @pytest.mark.bench
 def test_startup_quick(tmp_path):
     """Start-up of the GRPO example, as it is, with TQ's storage unit and the data source in processes of
-    their own, and with tensordict imported as it is: every phase tabled."""
+    their own, with tensordict imported as it is, with transformers' import table scanned in each process
+    and with Ray started as it is: every phase tabled."""
     from benchmarks import startup
 
     doc = tmp_path / "perf.md"
     common.write_section(startup.run(quick=True), doc)
     rows = table_rows(doc.read_text(), "startup", 0)
     head, *body = [r for i, r in enumerate(rows) if i != 1]
-    assert head[1:] == ["rlgraph", "unit and source on their own", "tensordict as it is"]
+    assert head[1:] == ["rlgraph", "unit and source on their own", "tensordict as it is",
+                        "transformers' table scanned", "Ray as it is"]
     got = {b[0]: [num(c) for c in b[1:]] for b in body}
     assert len(got) == 7 and all(v > 0 for vs in got.values() for v in vs)
     assert got["start-up to the first step (s)"][0] < got["wall to step 0's end (s)"][0]
