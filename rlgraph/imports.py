@@ -9,7 +9,12 @@ the data source, each worker). The table depends only on those files, so this mo
 it on disk, in rlgraph's cache (`cache_dir`), and later processes read it back (a few ms) after
 checking that no file of the package changed: an entry holds a fingerprint of the directory's
 tree (each ``.py`` file's path, size and modification time) and the transformers version, and
-a mismatch scans again. Measured in docs/performance.md (start-up).
+a mismatch scans again. Likewise the map of import names to installed distributions
+(``importlib.metadata.packages_distributions()``, which reads the file list of every installed
+package, ~24,000 paths, 0.3-0.5 s of CPU) that ``transformers.utils.import_utils`` builds when it
+is imported: remembered with a fingerprint of the import path (each ``sys.path`` folder's
+modification time, which installing, upgrading or removing a package changes). Measured in
+docs/performance.md (start-up).
 
 `install` (called when rlgraph is imported) puts a one-shot import hook in ``sys.meta_path``
 that wraps ``define_import_structure`` as soon as transformers defines it, before transformers
@@ -48,8 +53,11 @@ def cache_dir() -> Path | None:
 class ImportStructures:
     """The results of ``define_import_structure(path, prefix)`` on disk, one JSON file per
     transformers version (``transformers_imports-<version>.json`` in `cache_dir`), each entry
-    checked against its directory's fingerprint when read. Writes are atomic (several processes
+    checked against its directory's fingerprint when read, and the maps of import names to
+    distributions, one per import path (`distributions`). Writes are atomic (several processes
     start at once); a lost write costs one scan."""
+
+    KEEP = 8  # maps of distributions kept, one per import path, the newest
 
     def __init__(self, version: str, directory: Path | None = None) -> None:
         directory = directory or cache_dir()
@@ -81,6 +89,22 @@ class ImportStructures:
                 self._entries = {}
         return self._entries
 
+    def distributions(self, compute: Callable[[], Any]) -> Any:
+        """``importlib.metadata.packages_distributions()`` (`compute`), remembered for this import
+        path (`path_fingerprint`)."""
+        key = f"packages_distributions|{path_fingerprint()}"  # the driver's and Ray workers' paths differ
+        entry = self._read().get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("map"), dict):
+            found = entry["map"]
+            if all(isinstance(k, str) and isinstance(v, list) for k, v in found.items()):
+                return {k: list(v) for k, v in found.items()}
+        result = compute()
+        try:
+            self._write(key, {"map": {str(k): list(v) for k, v in dict(result).items()}}, "packages_distributions|")
+        except (OSError, TypeError, ValueError):
+            pass
+        return result
+
     def get(self, directory: Path, prefix: str | None) -> Any:
         """The remembered structure, decoded into fresh objects, or None."""
         entry = self._read().get(f"{directory}|{prefix}")
@@ -92,10 +116,20 @@ class ImportStructures:
             return None
 
     def put(self, directory: Path, prefix: str | None, structure: Any) -> None:
+        self._write(f"{directory}|{prefix}", {"fingerprint": self.fingerprint(directory), "structure": _encode(structure)})
+
+    def _write(self, key: str, entry: dict[str, Any], kind: str = "") -> None:
+        """Add `entry` as the newest; of the entries whose keys start with `kind`, keep `KEEP` (import
+        paths come and go)."""
         if self.path is None:
             return
         entries = self._read()
-        entries[f"{directory}|{prefix}"] = {"fingerprint": self.fingerprint(directory), "structure": _encode(structure)}
+        entries.pop(key, None)
+        entries[key] = entry
+        if kind:
+            same = [k for k in entries if k.startswith(kind)]
+            for old in same[:-self.KEEP]:
+                del entries[old]
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +140,18 @@ class ImportStructures:
         except OSError:  # a read-only cache: every process scans
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def path_fingerprint() -> str:
+    """A hash of the import path: each ``sys.path`` folder and its modification time (installing,
+    upgrading or removing a package adds or removes entries there)."""
+    h = hashlib.sha256(sys.version.encode())
+    for entry in sys.path:
+        try:
+            h.update(f"{entry}:{os.stat(entry or '.').st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(f"{entry}:-\n".encode())
+    return h.hexdigest()
 
 
 def _encode(x: Any) -> Any:
@@ -159,17 +205,22 @@ def remembering(define: Callable[..., Any], store: ImportStructures) -> Callable
     return define_import_structure
 
 
-def _patch(module: Any) -> None:
-    define = getattr(module, "define_import_structure", None)
-    if define is None or hasattr(define, "remembered"):
-        return
+def _store() -> ImportStructures | None:
     try:
         from importlib.metadata import version
 
-        store = ImportStructures(version("transformers"))
+        return ImportStructures(version("transformers"))
     except Exception:  # no metadata (a source tree on the path): transformers scans
+        return None
+
+
+def _patch(module: Any, store: ImportStructures | None = None) -> None:
+    define = getattr(module, "define_import_structure", None)
+    if define is None or hasattr(define, "remembered"):
         return
-    module.define_import_structure = remembering(define, store)
+    store = store or _store()
+    if store is not None:
+        module.define_import_structure = remembering(define, store)
 
 
 class _Hook:
@@ -189,8 +240,19 @@ class _Hook:
             return spec
 
         def exec_module(module: Any) -> None:
-            run(module)
-            _patch(module)
+            store = _store()
+            if store is None:
+                run(module)
+                return
+            import importlib.metadata as metadata
+
+            compute = metadata.packages_distributions
+            metadata.packages_distributions = lambda: store.distributions(compute)  # type: ignore[assignment]
+            try:
+                run(module)  # it maps import names to distributions as it runs
+            finally:
+                metadata.packages_distributions = compute  # type: ignore[assignment]
+            _patch(module, store)
 
         loader.exec_module = exec_module  # type: ignore[union-attr]
         return spec

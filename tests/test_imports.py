@@ -67,6 +67,35 @@ def test_a_second_process_reads_the_table_back_and_a_changed_file_scans_again(tm
     assert remembering(define, ImportStructures("5.0", cache))(pkg) == STRUCTURE and define.calls == 4
 
 
+def test_the_map_of_distributions_is_read_back_per_import_path_until_a_folder_changes(tmp_path, monkeypatch):
+    cache, calls = tmp_path / "cache", []
+
+    def compute():
+        calls.append(1)
+        return {"yaml": ["PyYAML"], "torch": ["torch"]}
+
+    assert ImportStructures("5.0", cache).distributions(compute) == compute() and len(calls) == 2
+    assert ImportStructures("5.0", cache).distributions(compute) == {"yaml": ["PyYAML"], "torch": ["torch"]}
+    assert len(calls) == 2  # another process, the same import path: read back
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    ImportStructures("5.0", cache).distributions(compute)
+    assert len(calls) == 3  # another import path: its own map
+    ImportStructures("5.0", cache).distributions(compute)
+    assert len(calls) == 3
+    (site / "new_package-1.0.dist-info").mkdir()  # a package installed there
+    os.utime(site, ns=(time.time_ns(), time.time_ns() + 10**9))
+    ImportStructures("5.0", cache).distributions(compute)
+    assert len(calls) == 4
+    for i in range(ImportStructures.KEEP + 2):  # import paths come and go: the newest few are kept
+        monkeypatch.setattr(sys, "path", [str(tmp_path / f"p{i}"), *sys.path])
+        ImportStructures("5.0", cache).distributions(compute)
+    kept = [k for k in json.loads((cache / "transformers_imports-5.0.json").read_text())
+            if k.startswith("packages_distributions|")]
+    assert len(kept) == ImportStructures.KEEP
+
+
 def test_a_broken_or_unwritable_cache_means_a_scan_every_time(tmp_path):
     pkg = _package(tmp_path / "models")
     cache = tmp_path / "cache"
@@ -89,7 +118,7 @@ def test_a_broken_or_unwritable_cache_means_a_scan_every_time(tmp_path):
 
 
 PROBE = """
-import hashlib, json, sys
+import hashlib, importlib.metadata, json, sys
 import rlgraph
 import transformers, transformers.models
 import transformers.utils.import_utils as iu
@@ -101,7 +130,8 @@ def digest(m):
 print(json.dumps({"top": digest(transformers), "models": digest(transformers.models),
                   "scans": iu.create_import_structure_from_path.cache_info().misses,
                   "remembered": hasattr(iu.define_import_structure, "remembered"),
-                  "hook_left": any(type(f).__name__ == "_Hook" for f in sys.meta_path)}))
+                  "hook_left": any(type(f).__name__ == "_Hook" for f in sys.meta_path),
+                  "dists": iu.PACKAGE_DISTRIBUTION_MAPPING == importlib.metadata.packages_distributions()}))
 """
 
 
@@ -120,6 +150,7 @@ def test_transformers_builds_the_same_table_from_the_cache_without_scanning(tmp_
     assert cold["scans"] == alone["scans"]  # the first process scans and writes the table down
     assert warm["scans"] == 0  # the next reads it back
     assert alone["top"] == cold["top"] == warm["top"] and alone["models"] == cold["models"] == warm["models"]
+    assert alone["dists"] and cold["dists"] and warm["dists"]  # the distributions' map read back is the real one
     assert list((tmp_path / "cache").glob("transformers_imports-*.json"))
 
 
