@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,6 +66,7 @@ class ImportStructures:
         self.path = directory / f"transformers_imports-{safe}.json" if directory is not None else None
         self._prints: dict[str, str] = {}  # directory -> its fingerprint, computed once per process
         self._entries: dict[str, Any] | None = None
+        self._lock = threading.RLock()  # threads import transformers' packages side by side
 
     def fingerprint(self, directory: Path) -> str:
         """A hash of every ``.py`` file under `directory`: its path, size and modification time."""
@@ -92,22 +94,27 @@ class ImportStructures:
     def distributions(self, compute: Callable[[], Any]) -> Any:
         """``importlib.metadata.packages_distributions()`` (`compute`), remembered for this import
         path (`path_fingerprint`)."""
-        key = f"packages_distributions|{path_fingerprint()}"  # the driver's and Ray workers' paths differ
-        entry = self._read().get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("map"), dict):
-            found = entry["map"]
-            if all(isinstance(k, str) and isinstance(v, list) for k, v in found.items()):
-                return {k: list(v) for k, v in found.items()}
+        try:
+            key = f"packages_distributions|{path_fingerprint()}"  # the driver's and Ray workers' paths differ
+            with self._lock:
+                entry = self._read().get(key)
+            if isinstance(entry, dict) and isinstance(entry.get("map"), dict):
+                found = entry["map"]
+                if all(isinstance(k, str) and isinstance(v, list) for k, v in found.items()):
+                    return {k: list(v) for k, v in found.items()}
+        except Exception:  # noqa: BLE001 - only a shortcut: compute it
+            return compute()
         result = compute()
         try:
             self._write(key, {"map": {str(k): list(v) for k, v in dict(result).items()}}, "packages_distributions|")
-        except (OSError, TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - not remembered: the next process computes it
             pass
         return result
 
     def get(self, directory: Path, prefix: str | None) -> Any:
         """The remembered structure, decoded into fresh objects, or None."""
-        entry = self._read().get(f"{directory}|{prefix}")
+        with self._lock:
+            entry = self._read().get(f"{directory}|{prefix}")
         if not isinstance(entry, dict) or entry.get("fingerprint") != self.fingerprint(directory):
             return None
         try:
@@ -116,41 +123,55 @@ class ImportStructures:
             return None
 
     def put(self, directory: Path, prefix: str | None, structure: Any) -> None:
-        self._write(f"{directory}|{prefix}", {"fingerprint": self.fingerprint(directory), "structure": _encode(structure)})
+        entry = {"fingerprint": self.fingerprint(directory), "structure": _encode(structure)}
+        self._write(f"{directory}|{prefix}", entry)
 
     def _write(self, key: str, entry: dict[str, Any], kind: str = "") -> None:
         """Add `entry` as the newest; of the entries whose keys start with `kind`, keep `KEEP` (import
         paths come and go)."""
         if self.path is None:
             return
-        entries = self._read()
-        entries.pop(key, None)
-        entries[key] = entry
-        if kind:
-            same = [k for k in entries if k.startswith(kind)]
-            for old in same[:-self.KEEP]:
-                del entries[old]
-        tmp = None
+        with self._lock:  # one writer at a time: json.dump walks the entries another put would change
+            entries = self._read()
+            entries.pop(key, None)
+            entries[key] = entry
+            if kind:
+                same = [k for k in entries if k.startswith(kind)]
+                for old in same[:-self.KEEP]:
+                    del entries[old]
+            self._dump(entries)
+
+    def _dump(self, entries: dict[str, Any]) -> None:
+        path, tmp = self.path, None
+        assert path is not None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".transformers_imports.")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".transformers_imports.")
             with os.fdopen(fd, "w") as f:
                 json.dump(entries, f)
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError:  # a read-only cache: every process scans
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
 
 
 def path_fingerprint() -> str:
-    """A hash of the import path: each ``sys.path`` folder and its modification time (installing,
-    upgrading or removing a package adds or removes entries there)."""
+    """A hash of the import path: each ``sys.path`` folder and the installed distributions' records in
+    it (the names of its ``*.dist-info`` and ``*.egg-info`` entries, which carry the version, and its
+    ``.pth`` files with their times): installing, upgrading or removing a package changes them, a
+    file written into the working folder (on the path as '') does not."""
     h = hashlib.sha256(sys.version.encode())
     for entry in sys.path:
+        if not isinstance(entry, str):
+            continue
         try:
-            h.update(f"{entry}:{os.stat(entry or '.').st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(f"{entry}:-\n".encode())
+            with os.scandir(entry or ".") as it:
+                names = sorted(e.name for e in it if e.name.endswith((".dist-info", ".egg-info", ".pth", ".egg-link")))
+            stamp = ",".join(f"{n}:{os.stat(os.path.join(entry or '.', n)).st_mtime_ns}" if n.endswith(".pth") else n
+                             for n in names)
+        except OSError:  # not a folder (a zip), or gone
+            stamp = "-"
+        h.update(f"{entry}:{stamp}\n".encode())
     return h.hexdigest()
 
 
@@ -190,14 +211,14 @@ def remembering(define: Callable[..., Any], store: ImportStructures) -> Callable
             path = Path(module_path)
             directory = (path if path.is_dir() else path.parent).resolve()
             found = store.get(directory, prefix)
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - only a shortcut: transformers scans
             return define(module_path, prefix)
         if found is not None:
             return found
         result = define(module_path, prefix)
         try:
             store.put(directory, prefix, result)
-        except (OSError, TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - not remembered: the next process scans
             pass
         return result
 

@@ -96,6 +96,30 @@ def test_the_map_of_distributions_is_read_back_per_import_path_until_a_folder_ch
     assert len(kept) == ImportStructures.KEEP
 
 
+def test_threads_remembering_at_once_all_get_their_tables(tmp_path):
+    """transformers' model packages import on several threads at once; one store per process."""
+    import threading
+
+    store, errors = ImportStructures("5.0", tmp_path / "cache"), []
+    dirs = [_package(tmp_path / f"models{i}") for i in range(8)]
+
+    def put_and_get(d):
+        try:
+            for _ in range(5):
+                store.put(d.resolve(), None, STRUCTURE)
+                assert store.get(d.resolve(), None) == STRUCTURE
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=put_and_get, args=(d,)) for d in dirs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(json.loads((tmp_path / "cache" / "transformers_imports-5.0.json").read_text())) == len(dirs)
+
+
 def test_a_broken_or_unwritable_cache_means_a_scan_every_time(tmp_path):
     pkg = _package(tmp_path / "models")
     cache = tmp_path / "cache"
@@ -131,7 +155,8 @@ print(json.dumps({"top": digest(transformers), "models": digest(transformers.mod
                   "scans": iu.create_import_structure_from_path.cache_info().misses,
                   "remembered": hasattr(iu.define_import_structure, "remembered"),
                   "hook_left": any(type(f).__name__ == "_Hook" for f in sys.meta_path),
-                  "dists": iu.PACKAGE_DISTRIBUTION_MAPPING == importlib.metadata.packages_distributions()}))
+                  "dists": iu.PACKAGE_DISTRIBUTION_MAPPING == importlib.metadata.packages_distributions(),
+                  "restored": importlib.metadata.packages_distributions.__module__ == "importlib.metadata"}))
 """
 
 
@@ -151,6 +176,9 @@ def test_transformers_builds_the_same_table_from_the_cache_without_scanning(tmp_
     assert warm["scans"] == 0  # the next reads it back
     assert alone["top"] == cold["top"] == warm["top"] and alone["models"] == cold["models"] == warm["models"]
     assert alone["dists"] and cold["dists"] and warm["dists"]  # the distributions' map read back is the real one
+    assert cold["restored"] and warm["restored"]  # importlib's own function again once transformers has its map
+    written = json.loads(next((tmp_path / "cache").glob("transformers_imports-*.json")).read_text())
+    assert any(k.startswith("packages_distributions|") for k in written)
     assert list((tmp_path / "cache").glob("transformers_imports-*.json"))
 
 

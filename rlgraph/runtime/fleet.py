@@ -137,26 +137,27 @@ class Fleet:
                        for b in pool.bundles]
             strategy = RAY_STRATEGY[pool.placement]  # PACK and SPREAD are best effort, STRICT_SPREAD is not
             self._pgs[pool.name] = placement_group(bundles, strategy=strategy, name=f"rlgraph-{pool.name}")
-        for pool, pg in self._pgs.items():
-            try:
-                ray.get(pg.ready(), timeout=self.timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise StepTimeout(f"placement group for pool {pool!r} was not ready after {self.timeout_s:g}s; "
-                                  f"Ray's free resources now: {ray.available_resources()}") from None
+        # the actors are submitted at once (Ray places them when their group is ready), then the plane's
+        # start on a thread and the caller's checks here: this process's imports would otherwise hold
+        # back the submissions, and a failed check is reported before any wait
         own_plane = self.plane is None
         handle = None if own_plane else self.plane.handle()  # None: they connect once the plane is up
         for g in self.plan.groups:
             self._create_group(g.name, handle)
         if not own_plane or not self._hosts_source():  # else the plane's start makes it
             self._create_source(handle)
-        # the actors first (their processes start importing), then the plane's start on a thread and
-        # the caller's checks here: this process's imports would otherwise hold back the submissions
         if own_plane:
             self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
             self._plane_job = self._starter.submit(self._timed_plane_start)
         checks, self._checks = self._checks, None
         if checks is not None:  # beside the actors' start; a failure stops them (close)
             checks()
+        for pool, pg in self._pgs.items():
+            try:
+                ray.get(pg.ready(), timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise StepTimeout(f"placement group for pool {pool!r} was not ready after {self.timeout_s:g}s; "
+                                  f"Ray's free resources now: {ray.available_resources()}") from None
         names = list(self.workers)
         meet = self._rendezvous(names)
         actors = sum(len(ws) for ws in self.workers.values())

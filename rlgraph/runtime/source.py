@@ -187,7 +187,8 @@ class SourceWorker:
 def preflight(plan: Plan) -> list[str]:
     """The data source's checks that need no Ray (its class's ``preflight(config, seed, plan_config)``,
     if it has one: the prompt source reads the head of its files and checks the tokenizer), run by
-    `rlgraph validate` and by `rlgraph run` before any worker starts. Returns its notes."""
+    `rlgraph validate`, and by `rlgraph run` while the workers' processes start, before it waits for
+    anything. Returns its notes."""
     if not plan.source_impl:
         return []
     cls, _ = resolve_impl(plan.source_impl, plan.source_impl_file)

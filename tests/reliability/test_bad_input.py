@@ -147,14 +147,14 @@ def test_cli_run_with_bad_prompt_rows_exits_1_with_the_rows(tmp_path):
     path = _jsonl(tmp_path / "bad.jsonl", rows)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # the example (its prepare hook builds the tiny model): the head of the file is read right after it,
-    # before any worker starts (`PromptSource.preflight`)
+    # while the workers' processes start, before the run waits for anything (`PromptSource.preflight`)
     res = subprocess.run([RLGRAPH, "run", str(ROOT / "examples" / "grpo.py"), "-o", str(tmp_path / "run"),
                           "--steps", "1", f"data.path={path}",
                           "--dataplane", "ray"], env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 1, res.stdout + res.stderr
     err = res.stderr[res.stderr.rindex("Error: "):]
     assert err.startswith(f"Error: data.path {path!r} (first 6 rows): 2 row(s) do not follow verl's layout"), err
-    assert "rlgraph: workers:" not in res.stderr  # found before any worker started
+    assert "rlgraph: workers:" not in res.stderr  # found before the run waited for its workers
     assert "row 4: empty prompt (no messages)" in err
     assert "row 5: missing 'prompt', 'reward_model.ground_truth'" in err
     assert "fix: correct or remove these rows" in err and "Traceback" not in err

@@ -415,7 +415,7 @@ class PromptSource:
     @classmethod
     def preflight(cls, config: Mapping[str, Any], seed: int, plan_config: Mapping[str, Any] | None = None
                   ) -> list[str]:
-        """What `rlgraph validate` (and `rlgraph run`, before any worker starts) checks without
+        """What `rlgraph validate` (and `rlgraph run`, before it waits for its workers) checks without
         starting anything: the tokenizer (it exists, and its vocabulary fits the policy's embedding)
         and the head of each prompt file (it exists, has verl's fields, and its first rows check and
         encode). Raises `PromptDataError`; returns notes on what could not be checked yet."""
