@@ -12,9 +12,9 @@ tree (each ``.py`` file's path, size and modification time) and the transformers
 a mismatch scans again. Likewise the map of import names to installed distributions
 (``importlib.metadata.packages_distributions()``, which reads the file list of every installed
 package, ~24,000 paths, 0.3-0.5 s of CPU) that ``transformers.utils.import_utils`` builds when it
-is imported: remembered with a fingerprint of the import path (each ``sys.path`` folder's
-modification time, which installing, upgrading or removing a package changes). Measured in
-docs/performance.md (start-up).
+is imported: remembered per import path, with a fingerprint of the distributions' records on it
+(`path_fingerprint`: the ``*.dist-info`` names, which installing, upgrading or removing a package
+changes). Measured in docs/performance.md (start-up).
 
 `install` (called when rlgraph is imported) puts a one-shot import hook in ``sys.meta_path``
 that wraps ``define_import_structure`` as soon as transformers defines it, before transformers
@@ -35,7 +35,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["SWITCH", "ImportStructures", "cache_dir", "install"]
+__all__ = ["SWITCH", "ImportStructures", "cache_dir", "install", "write_json"]
 
 SWITCH = "RLGRAPH_IMPORT_CACHE"  # "0": transformers scans its sources in every process, as it does alone
 TARGET = "transformers.utils.import_utils"
@@ -49,6 +49,24 @@ def cache_dir() -> Path | None:
         return Path(base).expanduser()
     except RuntimeError:
         return None
+
+
+def write_json(path: Path, data: Any, indent: int | None = None) -> bool:
+    """Write `data` to `path` as JSON atomically (a temp file beside it, then a rename: processes that
+    start at once read the old file or the new one, never half of one). False if it could not be
+    written (a read-only cache): the caller's cache then stays as it was."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=indent)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False
 
 
 class ImportStructures:
@@ -139,20 +157,7 @@ class ImportStructures:
                 same = [k for k in entries if k.startswith(kind)]
                 for old in same[:-self.KEEP]:
                     del entries[old]
-            self._dump(entries)
-
-    def _dump(self, entries: dict[str, Any]) -> None:
-        path, tmp = self.path, None
-        assert path is not None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".transformers_imports.")
-            with os.fdopen(fd, "w") as f:
-                json.dump(entries, f)
-            os.replace(tmp, path)
-        except OSError:  # a read-only cache: every process scans
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+            write_json(self.path, entries)  # not written (a read-only cache): every process scans
 
 
 def path_fingerprint() -> str:

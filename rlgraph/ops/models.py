@@ -29,7 +29,7 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 import torch
 
 from rlgraph.errors import RLGraphError
-from rlgraph.imports import cache_dir
+from rlgraph.imports import cache_dir, write_json
 
 __all__ = [
     "build_once",
@@ -324,23 +324,12 @@ class TokenizerClasses:
             self._write(key, f"{cls.__module__}:{cls.__qualname__}", self._read())
 
     def _write(self, key: str, ref: str, entries: dict[str, str]) -> None:
-        import json
-
         if self.path is None:
             return
         entries.pop(key, None)
         entries[key] = ref  # the newest last
         entries = dict(list(entries.items())[-self.KEEP:])
-        tmp = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tokenizer_classes.")
-            with os.fdopen(fd, "w") as f:
-                json.dump(entries, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError:  # a read-only cache: every load takes the slow path
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+        write_json(self.path, entries, indent=1)  # not written (a read-only cache): every load takes the slow path
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
