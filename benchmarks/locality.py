@@ -28,7 +28,7 @@ from typing import Any
 from benchmarks import common
 from rlgraph.runtime.metrics import read_metrics
 
-GRPO = common.ROOT / "examples" / "grpo.py"
+GRPO = common.ROOT / "examples" / "grpo_reward_pool.py"
 NODE_CPUS = 3
 SPREAD = ["cluster.num_nodes=3", f"cluster.cpus_per_node={NODE_CPUS}", "groups.reward.dp=3",
           "groups.reward.num_cpus=0.5", "groups.reward.placement=strict_spread"]

@@ -2,8 +2,8 @@
 
 A GRPO-shaped pipeline whose ops do no model work (`gen` writes responses of a fixed length,
 `score` puts a score on the last token, `adv` normalises per group, `update` reads everything and
-keeps a number as its state), on the same groups as examples/grpo.py (actor, reward, advantage),
-run on Ray and TransferQueue like any pipeline. `score` and `adv` are vectorised, as the
+keeps a number as its state), on three groups (actor, reward, advantage: a reward pool beside the
+policy, as in examples/grpo_reward_pool.py), run on Ray and TransferQueue like any pipeline. `score` and `adv` are vectorised, as the
 example's reward and advantage ops are: one body call for all the chunks (groups) of a call.
 Each body measures its own time and reports it once per call (``timing/<op>/body_s``); a step's
 runtime overhead is its time between step ends minus the sum of its bodies' times: data-plane

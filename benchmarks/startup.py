@@ -63,7 +63,7 @@ def _busy_s() -> float:
 
 
 # what each process of a run is, from its command line (first match): the per-process CPU table
-KINDS = (("policy and reward workers", ("ray::GroupWorker",)), ("data source", ("ray::SourceWorker",)),
+KINDS = (("policy worker", ("ray::GroupWorker",)), ("data source", ("ray::SourceWorker",)),
          ("TransferQueue controller (and the unit and the source it hosts)", ("ray::TransferQueueController",)),
          ("TransferQueue storage unit", ("ray::SimpleStorageUnit",)),
          ("Ray: dashboard and runtime-env agents (and the API server if started)",
@@ -195,8 +195,8 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 3, **_: 
              f"imported as it is; {scanned:.1f} s with transformers' import table built by scanning its sources in "
              f"each process, and {ray_full:.1f} s with Ray started as it is. The machine was busy {cpu:.0f} CPU seconds until step 0 ended, "
              f"{cpu / (wall * cores):.0%} of its {cores} cores over those {wall:.1f} s: start-up is bound by the CPU "
-             f"(each Python process of the run imports torch; the actor imports transformers' model code, the driver, "
-             f"the controller, which hosts the data source, and the reward worker only its tokenizers), so it shortens "
+             f"(each Python process of the run imports torch; the actor imports transformers' model code, the driver "
+             f"and the controller, which hosts the data source, only their tokenizers), so it shortens "
              f"by what the processes stop doing, not by starting them in another order. "
              f"By process: {spent}. "
              f"Target (issue 25): 8 s.")

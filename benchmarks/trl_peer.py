@@ -19,24 +19,25 @@ forward in both (TRL: `num_iterations=1`; rlgraph's compiler leaves the old_logp
 when the update makes one optimizer step per step). Not matched exactly (what each does):
 - the prompts' order: each shuffles the same 1,024 generated rows with its own sampler;
 - threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor has
-  the torch threads of its worker group's CPUs (1 in the example: with two for every op, on these
-  two cores shared with the reward worker and the data plane, its step was slower), and 2 in the
-  update, which runs alone (the reward group's CPU is idle meanwhile: `describe` shows it);
-- processes: rlgraph runs the actor, the reward worker (which runs the advantage in the reward's
-  calls) and TransferQueue's controller (which hosts the storage unit and the data source) as
-  processes of their own, and the asynchronous example a rollout worker too; TRL is one process.
+  the torch threads of its worker group's CPUs, 2 in the example (every op is on the policy's
+  group, which holds both cores);
+- processes: rlgraph runs the actor (which runs the reward, the reference pass and the advantage
+  inside generation's call) and TransferQueue's controller (which hosts the storage unit and the
+  data source) as processes of their own, and the asynchronous example a rollout worker too; TRL
+  is one process.
 
-"TRL, 1 thread" is TRL again with one torch thread (``OMP_NUM_THREADS=1``), the threads rlgraph's
-actor generates with: the same passes, one process, the same threads (issue 25, item 7). "vs TRL"
-is against TRL with its default threads. "rlgraph, unfused" is the synchronous example with
-``trainer.fuse_ops=false``: the reference pass and the advantage dispatched as calls of their own
-instead of riding in generation's call on the actor and in the reward's call (issue 25, item 2:
-the hand-offs that fusing removes).
+"rlgraph, reward pool" is examples/grpo_reward_pool.py: the same pipeline with the reward and the
+advantage on a worker group of their own (one CPU, and one for the actor), the layout for a slow
+reward or a cluster. "rlgraph, unfused" is the synchronous example with ``trainer.fuse_ops=false``:
+the reward, the reference pass and the advantage dispatched as calls of their own instead of
+riding in generation's call (issue 25, item 2: the hand-offs that fusing removes). "vs TRL" is
+against TRL with its default threads, the threads rlgraph's actor computes with.
 
 The second table splits each step into its phases, in the same runs (issue 25, item 7): for
 rlgraph, each op's busy time per step from its metrics (and the part of it spent reading and
 writing the data plane); for TRL, the time its step spends in the same work, timed around the
-trainer's own methods (`benchmarks.trl_grpo`).
+trainer's own methods (`benchmarks.trl_grpo`): the same passes in one process with the same
+threads.
 
     .venv/bin/python -m benchmarks.run trl_peer     # needs pip install 'rlgraph[bench]'
 """
@@ -57,7 +58,7 @@ from benchmarks import common
 from rlgraph.runtime.metrics import read_metrics
 
 N = 8
-ONE_THREAD = "TRL, 1 thread"  # TRL with the threads of rlgraph's actor: the same passes in one process, same threads
+POOL = "rlgraph, reward pool"  # examples/grpo_reward_pool.py: the reward and the advantage on a group of their own
 UNFUSED = "rlgraph, unfused"  # trainer.fuse_ops=false: every op dispatched on its own
 SETTINGS = [(16, 45, 5), (32, 35, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
 # the phases compared (item 7): rlgraph's op -> the same work in TRL's step (benchmarks.trl_grpo's phase_s)
@@ -149,19 +150,19 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                           "reward gain", "gain per minute"], title="GRPO on the addition task, alternating runs")
     chart: dict[str, list[float]] = {}
     phases = common.Table(["prompts x n", "phase", "rlgraph s/step", "of it data plane", "TRL s/step",
-                           "TRL, 1 thread s/step", "rlgraph vs TRL, 1 thread"],
+                           "rlgraph vs TRL"],
                           title="Each phase's time per step (median), in the same runs")
     with tempfile.TemporaryDirectory() as tmp:
         for batch, steps, skip in settings:
-            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], UNFUSED: [], "rlgraph async k=1": [], "TRL": [],
-                                                    ONE_THREAD: []}
+            got: dict[str, list[dict[str, Any]]] = {"rlgraph": [], POOL: [], UNFUSED: [], "rlgraph async k=1": [],
+                                                    "TRL": []}
             for r in range(runs):
                 for name in got:
                     out = Path(tmp) / f"{name.replace(' ', '_').replace(',', '')}-{batch}-{r}"
                     if name.startswith("TRL"):
-                        got[name].append(_trl(model, batch, steps, out, seed=r, threads=1 if name == ONE_THREAD else 0))
+                        got[name].append(_trl(model, batch, steps, out, seed=r))
                     else:
-                        example = "grpo_async.py" if "async" in name else "grpo.py"
+                        example = {POOL: "grpo_reward_pool.py", "rlgraph async k=1": "grpo_async.py"}.get(name, "grpo.py")
                         got[name].append(_rlgraph(example, batch, steps, out, r,
                                                   *(["trainer.fuse_ops=false"] if name == UNFUSED else [])))
                     print(f"  {batch}x{N} {name} run {r}: {_per_step(got[name][-1], skip):.3f} s/step", flush=True)
@@ -175,9 +176,9 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                 table.add(f"{batch} x {N}", name, step, step / trl_step, statistics.median(x["startup"] for x in xs),
                           statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
             for op in PHASES:
-                ours, alone = _phase(got["rlgraph"], op, skip), _phase(got[ONE_THREAD], op, skip)
-                phases.add(f"{batch} x {N}", op, ours, _phase(got["rlgraph"], op, skip, io=True),
-                           _phase(got["TRL"], op, skip), alone, ours / alone if alone else float("nan"))
+                ours, theirs = _phase(got["rlgraph"], op, skip), _phase(got["TRL"], op, skip)
+                phases.add(f"{batch} x {N}", op, ours, _phase(got["rlgraph"], op, skip, io=True), theirs,
+                           ours / theirs if theirs else float("nan"))
     table.print()
     phases.print()
     intro = __doc__.split("\n\n", 1)[1].split("    .venv")[0].strip()
@@ -194,7 +195,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
         notes=("Targets (issue 25): synchronous rlgraph at most 1.3x TRL's s/step at every batch size; start-up "
                "to the first step at most 8 s; the asynchronous example (k=1) a higher reward gain per minute "
                "than TRL; each phase no slower per sample than the same pass in one process with the same threads "
-               "(TRL, 1 thread). The phase table: rlgraph's op calls' busy time per step (generate, ref, reward, "
+               "(TRL: two, as rlgraph's actor). The phase table: rlgraph's op calls' busy time per step (generate, ref, reward, "
                "update_actor; 'of it data plane': the calls' own gets and puts), against the time TRL's step spends "
                "in the same work (its _generate, the reference model's log-probs, the reward function, and the step "
                "less its rollout phase: loss, backward and optimizer)."),

@@ -5,9 +5,14 @@ the reward is 1 for a correct answer and 0 otherwise, so the mean reward reads a
 Before the first run, ``prepare`` builds a tiny Qwen2-style model with a character tokenizer
 and gives it a short, open supervised warm start (cached in ``actor.model_path``).
 
-The advantage op runs per group on the reward's worker, inside the reward's calls (a fused
-chain: no hand-off between the two), so each prompt's n responses are normalised as soon as
-they are scored, while the policy computes the reference log-probs.
+Every op runs on the policy's worker group, which holds both cores of a small machine: the
+rule-based reward, the reference pass and the advantage ride inside generation's call (a fused
+chain), reading its outputs from the worker's memory, as a single-process trainer would. A reward
+worker of its own would cost a process to start and a data-plane round trip per call for a
+scoring that takes microseconds (docs/performance.md, section 11). On a cluster, or with a slow
+reward (a sandbox, a judge model), give the reward a group of its own so that it overlaps the
+policy's passes, as examples/ppo.py does: ``stages.reward(group="reward")`` with a
+``WorkerGroup("reward", ...)``.
 
     rlgraph run examples/grpo.py -o runs/grpo
     rlgraph run examples/grpo.py -o runs/grpo_vllm rollout.backend=vllm   # after setup.sh --vllm=cpu
@@ -40,15 +45,15 @@ pipeline = Pipeline(
     source=stages.prompt_source(),
     ops=[
         stages.generate(group="actor"),
-        stages.reward(group="reward"),
+        stages.reward(group="actor"),
         stages.old_logprob(group="actor"),
         stages.ref(group="actor"),
-        stages.advantage("grpo", group="reward"),
+        stages.advantage("grpo", group="actor"),
         stages.update_actor(group="actor"),
     ],
     groups=[
-        WorkerGroup("actor", dp=1, num_cpus=1, doc="policy: rollout, old log-probs, reference, update"),
-        WorkerGroup("reward", dp=1, num_cpus=1, doc="rule-based reward, then the advantage (CPU math)"),
+        WorkerGroup("actor", dp=1, num_cpus=2, doc="policy: rollout, rule-based reward, old log-probs, reference, "
+                    "advantage, update"),
     ],
     cluster=Cluster(num_nodes=1, cpus_per_node=8, gpus_per_node=0),
     config={

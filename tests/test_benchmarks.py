@@ -251,8 +251,8 @@ def test_leaks_quick(tmp_path, planes):
 
 @pytest.mark.bench  # needs the benchmark extra (TRL): pip install 'rlgraph[bench]'
 def test_trl_peer_quick(tmp_path):
-    """rlgraph against TRL on a few steps: both trainers (TRL also with one thread, rlgraph also unfused) and
-    the async example run and are tabled."""
+    """rlgraph against TRL on a few steps: both trainers (rlgraph also with a reward pool and unfused) and the
+    async example run and are tabled, each phase against TRL's."""
     pytest.importorskip("trl")
     from benchmarks import trl_peer
 
@@ -261,8 +261,11 @@ def test_trl_peer_quick(tmp_path):
     rows = table_rows(doc.read_text(), "trl")
     head, *body = [r for i, r in enumerate(rows) if i != 1]
     got = {dict(zip(head, b))["trainer"]: dict(zip(head, b)) for b in body if len(b) == len(head)}
-    assert set(got) == {"rlgraph", "rlgraph, unfused", "rlgraph async k=1", "TRL", "TRL, 1 thread"}
+    assert set(got) == {"rlgraph", "rlgraph, reward pool", "rlgraph, unfused", "rlgraph async k=1", "TRL"}
     assert num(got["TRL"]["vs TRL"]) == 1.0 and all(num(r["s/step (median)"]) > 0 for r in got.values())
+    rows = table_rows(doc.read_text(), "trl", 1)
+    head, *body = [r for i, r in enumerate(rows) if i != 1]
+    assert head[-1] == "rlgraph vs TRL" and {b[1] for b in body} == {"generate", "ref", "reward", "update_actor"}
 
 
 @pytest.mark.bench
@@ -281,11 +284,11 @@ def test_startup_quick(tmp_path):
     got = {b[0]: [num(c) for c in b[1:]] for b in body}
     assert len(got) == 7 and all(v > 0 for vs in got.values() for v in vs)
     assert got["start-up to the first step (s)"][0] < got["wall to step 0's end (s)"][0]
-    # the CPU by process: the driver, the two workers, TransferQueue's controller hosting the unit and the
-    # source (neither has a process of its own), Ray's own
+    # the CPU by process: the driver, the policy's worker (every op of the example runs on it), TransferQueue's
+    # controller hosting the unit and the source (neither has a process of its own), Ray's own
     head, *body = [r for i, r in enumerate(table_rows(doc.read_text(), "startup", 1)) if i != 1]
     procs = {b[0]: (num(b[1]), num(b[2])) for b in body}
-    assert procs["driver (rlgraph run)"][0] == 1 and procs["policy and reward workers"][0] == 2
+    assert procs["driver (rlgraph run)"][0] == 1 and procs["policy worker"][0] == 1
     assert procs["TransferQueue controller (and the unit and the source it hosts)"][0] == 1
     assert "data source" not in procs and "TransferQueue storage unit" not in procs
     assert all(cpu > 0 for _, cpu in procs.values())

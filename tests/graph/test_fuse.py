@@ -34,17 +34,27 @@ def test_the_actor_s_forward_passes_run_inside_generation_s_calls(ppo, grpo):
 
 
 def test_a_rollout_group_of_its_own_fuses_only_what_runs_on_it():
-    # asynchronous training: generate and ref run on 'rollout', the update on 'actor'
+    # asynchronous training: generate, reward, ref and the advantage run on 'rollout', the update on 'actor'
     pipeline, _ = load_pipeline("examples/grpo_async.py")
     plan = compile(pipeline)
     assert plan.op("generate").group == plan.op("ref").group == "rollout"
-    assert _fused(plan) == {"ref": "generate", "advantage": "reward"}
-    # the reference on the actor's group: nothing follows generation on the rollout group
+    assert _fused(plan) == {"reward": "generate", "ref": "generate", "advantage": "generate"}
+    # the reference on the actor's group: it runs in calls of its own there
     from rlgraph.ops import stages
 
     plan = compile(pipeline.with_ops(stages.ref(group="actor")))
     assert plan.op("generate").group != plan.op("ref").group
-    assert _fused(plan) == {"advantage": "reward"}  # only the reward's chain, as in examples/grpo.py
+    assert _fused(plan) == {"reward": "generate", "advantage": "generate"}
+
+
+def test_examples_grpo_runs_its_whole_rollout_in_generation_s_calls():
+    # every op on the policy's group: the reward, the reference and the advantage ride in generation's
+    # calls; the update (a barrier that writes the weights) is dispatched on its own
+    pipeline, _ = load_pipeline("examples/grpo.py")
+    plan = compile(pipeline)
+    assert {g.name for g in plan.groups} == {"actor"}
+    assert _fused(plan) == {"reward": "generate", "ref": "generate", "advantage": "generate"}
+    assert plan.followers("generate") == ["reward", "ref", "advantage"]
 
 
 def test_dynamic_sampling_s_rounds_are_not_fused():

@@ -39,11 +39,19 @@ def _plan(example, model_dir, *extra):
     return rlgraph.compile(pipeline, small, pipeline_ref=ref)
 
 
+def _policy(ckpt: Path, worker: str = "actor_0") -> dict:
+    """The policy's saved state (model, optimizer) on `worker`: its ActorWorker's, beside the states of the
+    other worker classes its group runs (the advantage's KL controller in examples/grpo.py)."""
+    states = load_state(ckpt, worker)["instances"]
+    (key,) = [k for k in states if k.endswith(":ActorWorker")]
+    return states[key]
+
+
 def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
-@pytest.mark.parametrize("example", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("example", ["grpo", "grpo_reward_pool", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_path):
     plan = _plan(example, model_dir)
     stream = run_plan(plan, RunOptions(out_dir=tmp_path / "stream", steps=2, schedule="stream", timeout_s=300),
@@ -51,8 +59,15 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     sync = run_plan(plan, RunOptions(out_dir=tmp_path / "sync", steps=2, schedule="sync", timeout_s=300),
                     plane=tq_plane)
     assert _stable(stream) == _stable(sync)
-    if example == "grpo":  # the advantage rides in the reward's calls; its worker killed inside it keeps no state:
-        assert plan.op("advantage").fused_into == "reward"  # one restart (not a restore of every worker), same run
+    if example == "grpo":  # every op on the actor: the policy's worker killed inside generation's fused call
+        assert plan.op("advantage").fused_into == "generate"  # (in the advantage) is restored and the step replayed
+        killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=300,
+                                           faults=[Fault("advantage", step=1, chunk=0, kind="kill")]), plane=tq_plane)
+        assert killed[0]["faults/restarts"] == 0 and killed[1]["faults/restarts"] >= 1
+        assert _stable(killed) == [{**r, "faults/retries": k["faults/retries"], "faults/restarts": k["faults/restarts"]}
+                                   for r, k in zip(_stable(stream), killed)]
+    if example == "grpo_reward_pool":  # the advantage rides in the reward's calls; its worker killed inside it
+        assert plan.op("advantage").fused_into == "reward"  # keeps no state: one restart, the same run
         killed = run_plan(plan, RunOptions(out_dir=tmp_path / "killed", steps=2, timeout_s=300,
                                            faults=[Fault("advantage", step=1, chunk=0, kind="kill")]), plane=tq_plane)
         assert [r["faults/restarts"] for r in killed] == [0, 1]
@@ -70,8 +85,7 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     # the policy after two updates differs from the warm-started one it began with (the warm start
     # makes it right some of the time, so GRPO groups have non-zero advantages)
     before = load_file(str(Path(model_dir) / "model.safetensors"))
-    after = load_state(tmp_path / "stream" / "checkpoints" / "step_1", "actor_0")["instances"]
-    (state,) = after.values()
+    state = _policy(tmp_path / "stream" / "checkpoints" / "step_1")
     changed = [k for k, v in state["model"].items() if k in before and not torch.equal(v, before[k])]
     assert changed, "no weight changed"
     lines = (tmp_path / "stream" / "metrics.jsonl").read_text().splitlines()
@@ -94,8 +108,8 @@ def test_the_update_s_own_forward_gives_what_the_old_logprob_pass_gave(model_dir
             name = f"update_actor/actor_metrics/{key}"
             assert ra[name] == pytest.approx(rb[name], rel=1e-4, abs=1e-6), name
         assert ra["update_actor/actor_metrics/pg_clipfrac"] == 0.0  # the ratio is exactly 1
-    (wa,) = load_state(tmp_path / "reused" / "checkpoints" / "step_1", "actor_0")["instances"].values()
-    (wb,) = load_state(tmp_path / "kept" / "checkpoints" / "step_1", "actor_0")["instances"].values()
+    wa = _policy(tmp_path / "reused" / "checkpoints" / "step_1")
+    wb = _policy(tmp_path / "kept" / "checkpoints" / "step_1")
     for k, v in wa["model"].items():
         torch.testing.assert_close(v, wb["model"][k], rtol=1e-4, atol=1e-5)
 
@@ -108,8 +122,7 @@ def test_data_parallel_actor_keeps_replicas_identical(model_dir, tq_plane, tmp_p
     (rec,) = run_plan(plan, RunOptions(out_dir=tmp_path, steps=1, timeout_s=300), plane=tq_plane)
     assert math.isfinite(rec["update_actor/actor_metrics/loss"])
     ckpt = tmp_path / "checkpoints" / "step_0"
-    (rank0,) = load_state(ckpt, "actor_0")["instances"].values()
-    (rank1,) = load_state(ckpt, "actor_1")["instances"].values()
+    rank0, rank1 = _policy(ckpt, "actor_0"), _policy(ckpt, "actor_1")
     assert all(torch.equal(v, rank1["model"][k]) for k, v in rank0["model"].items())
     before = load_file(str(Path(model_dir) / "model.safetensors"))
     assert any(not torch.equal(v, before[k]) for k, v in rank0["model"].items() if k in before)
@@ -125,7 +138,7 @@ def test_gspo_loss_mode_trains_the_grpo_example(model_dir, tq_plane, tmp_path):
     assert math.isfinite(rec["update_actor/actor_metrics/loss"])
     assert rec["update_actor/actor_metrics/pg_clipfrac"] > 0  # the second epoch's sequence ratios clip
     before = load_file(str(Path(model_dir) / "model.safetensors"))
-    (state,) = load_state(tmp_path / "checkpoints" / "step_0", "actor_0")["instances"].values()
+    state = _policy(tmp_path / "checkpoints" / "step_0")
     assert any(not torch.equal(v, before[k]) for k, v in state["model"].items() if k in before)
 
 

@@ -243,3 +243,33 @@ def test_model_paths_may_start_with_a_tilde(tmp_path, monkeypatch):
     assert load_tokenizer("~/models/m").eos_token_id is not None
     assert load_causal_lm("~/models/m").config.hidden_size == 16
     assert load_critic("~/models/m").config.num_labels == 1
+
+
+def test_decode_rows_gives_what_transformers_batch_decode_gives(tmp_path):
+    # the Rust tokenizer's one batched call for a plain fast tokenizer; transformers' own path otherwise
+    import random
+
+    from rlgraph.ops.models import char_tokenizer, decode_rows
+
+    tok = char_tokenizer()
+    batches = []
+
+    class Backend:  # the Rust tokenizer, counting its batched decodes
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode_batch(self, rows, **kwargs):
+            batches.append(len(rows))
+            return self.inner.decode_batch(rows, **kwargs)
+
+    tok._tokenizer = Backend(tok._tokenizer)
+    rng = random.Random(0)
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))] for _ in range(200)]  # special ids too
+    assert decode_rows(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    assert batches == [200] and decode_rows(tok, []) == []
+    tok.clean_up_tokenization_spaces = True  # a clean-up only transformers does: its path, the same strings
+    assert decode_rows(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    assert batches == [200]

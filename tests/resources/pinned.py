@@ -1,7 +1,9 @@
 """The bundled examples with the small, fixed configs the compiler tests work out by hand.
 
 The examples' own defaults are tuned for learning and may change; tests of the compiler and
-the CLI pin these instead, so their hand-computed numbers stay valid.
+the CLI pin these instead, so their hand-computed numbers stay valid. GRPO's is pinned with the
+layout those tests were worked out for, a reward worker group of its own that runs the reward and
+the advantage (examples/grpo_reward_pool.py; examples/grpo.py runs both on the policy's group).
 """
 
 from dataclasses import replace
@@ -29,5 +31,5 @@ GRPO_CONFIG = {
 
 
 def pinned(example: str, config: dict) -> Pipeline:
-    p = import_file(EXAMPLES / f"{example}.py").pipeline
-    return replace(p, config=config, prepare=None, prepare_file=None)
+    p = import_file(EXAMPLES / f"{'grpo_reward_pool' if example == 'grpo' else example}.py").pipeline
+    return replace(p, name=example, config=config, prepare=None, prepare_file=None)

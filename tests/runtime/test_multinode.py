@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-GRPO = str(ROOT / "examples" / "grpo.py")
+GRPO = str(ROOT / "examples" / "grpo_reward_pool.py")  # its reward pool spreads over the nodes
 NODE_CPUS = 3
 # three reward workers of half a CPU each, one per node; everything else packed
 SPREAD = ["cluster.num_nodes=3", f"cluster.cpus_per_node={NODE_CPUS}", "groups.reward.dp=3",

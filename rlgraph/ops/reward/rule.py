@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlgraph.ops.models import tokenizer_at
+from rlgraph.ops.models import decode_rows, tokenizer_at
 from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
@@ -72,7 +72,7 @@ class RewardWorker:
         real = [i for i in range(rows) if not ctx.is_padding[i]]
         tok = self._tokenizer(tokenizer)
         ids = responses.tolist()  # one conversion, then one batched decode (not a call per row)
-        texts = tok.batch_decode([ids[i][:lengths[i]] for i in real], skip_special_tokens=True) if real else []
+        texts = decode_rows(tok, [ids[i][:lengths[i]] for i in real])
         outcomes = scorer.score([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
                                 [extra_info[i] for i in real])
         failed = [(i, o) for i, o in zip(real, outcomes) if o.error is not None]
@@ -85,6 +85,8 @@ class RewardWorker:
         score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
         token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
         reward_extra: list[dict] = [{} for _ in range(rows)]
+        scored: list[int] = []  # rows whose score goes on their last response token
+        scores: list[float] = []
         for i, o in zip(real, outcomes):
             reward_extra[i] = dict(o.extra)
             if o.error is not None:
@@ -93,7 +95,11 @@ class RewardWorker:
                     ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
                 continue
             if lengths[i] > 0:
-                token_level_scores[i, lengths[i] - 1] = float(o.score)  # on the last response token
+                scored.append(i)
+                scores.append(float(o.score))
+        if scored:  # one indexed write, not one per row (~3 us each)
+            at = torch.tensor(scored)
+            token_level_scores[at, torch.tensor([lengths[i] - 1 for i in scored])] = torch.tensor(scores)
         restarted = scorer.restarted
         scorer.restarted = 0
         metrics = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +229,34 @@ def test_the_rule_reward_worker_loads_its_tokenizer_at_setup_and_leaves_a_bad_on
     assert w.tokenizers == {}
     with pytest.raises(RLGraphError, match="none"):
         w._tokenizer("")
+
+
+def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
+    # rows of 3, 0 and 4 response tokens, a padding row, and a sample whose function raises (scored 0 with
+    # on_error=zero): each score lands on its row's last real token, nothing anywhere else
+    from types import SimpleNamespace
+
+    from rlgraph.ops.models import char_tokenizer
+    from rlgraph.ops.reward.rule import RewardWorker
+
+    tok = char_tokenizer()
+    texts, truths = ["12", "", "7", "4", "9"], ["12", "2", "7", "4", "8"]  # the 4th row is padding
+    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    rows[1] = []
+    lengths = tuple(len(r) for r in rows)
+    responses = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=(False, False, False, True, False),
+                          outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None)
+    w = RewardWorker()
+    w.default_tokenizer, w.tokenizers, w.scorers = "char", {}, {}
+    out = w.compute_reward(None, responses, None, ["add"] * 5, truths, [None] * 5,
+                           fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
+                           executor="thread", concurrency=2, timeout_s=10.0, on_error="zero", tokenizer="", ctx=ctx)
+    expected = torch.zeros(5, max(lengths))
+    expected[0, lengths[0] - 1] = 1.0  # "12" == "12"; row 1 has no token to carry its score
+    expected[2, lengths[2] - 1] = 0.0  # ground truth 7 is odd: the function raised, scored 0
+    assert torch.equal(out["token_level_scores"], expected)
+    assert "reward_error" in out["reward_extra"][2] and out["reward_extra"][3] == {}  # padding is never scored
+    assert out["reward_metrics"]["scored_count"] == 4 and out["reward_metrics"]["error_count"] == 1

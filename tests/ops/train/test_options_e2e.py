@@ -37,6 +37,14 @@ def model_dir(tmp_path_factory):
     return str(prepare_tiny_policy(str(tmp_path_factory.mktemp("tiny") / "model"), "add", sft_steps=100))
 
 
+def _policy(ckpt, worker: str) -> dict:
+    """The policy's saved state on `worker`: its ActorWorker's (examples/grpo.py's actor also runs the
+    reward and the advantage, whose KL controller saves a state of its own)."""
+    states = load_state(ckpt, worker)["instances"]
+    (key,) = [k for k in states if k.endswith(":ActorWorker")]
+    return states[key]
+
+
 def _plan(model_dir, *extra):
     pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
     small = [f"actor.model_path={model_dir}", "data.batch_size=4", "rollout.n=4", "actor.mini_batch_size=2",
@@ -65,13 +73,12 @@ def test_option_trains_and_stream_equals_sync(option, model_dir, tq_plane, tmp_p
         rec = stream[0]
         assert rec["update_actor/actor_metrics/forward_tokens"] < rec["update_actor/actor_metrics/padded_tokens"]
         assert rec["update_actor/actor_metrics/micro_batches"] >= 2
-    state = load_state(tmp_path / "stream" / "checkpoints" / "step_1", "actor_0")
-    (actor,) = state["instances"].values()
+    actor = _policy(tmp_path / "stream" / "checkpoints" / "step_1", "actor_0")
     if option == "lora":  # the checkpoint holds the adapters, not the 27 base tensors
         assert actor["model"] and all(".lora_" in k for k in actor["model"])
         _check_lora_export(tmp_path / "stream", model_dir, tmp_path)
     if option == "fsdp2":  # each rank's checkpoint holds its own shards
-        (other,) = load_state(tmp_path / "stream" / "checkpoints" / "step_1", "actor_1")["instances"].values()
+        other = _policy(tmp_path / "stream" / "checkpoints" / "step_1", "actor_1")
         shard0, shard1 = actor["trainer"]["model"], other["trainer"]["model"]
         assert set(shard0) == set(shard1) and any(not torch.equal(shard0[k], shard1[k]) for k in shard0)
         assert all(torch.equal(v, other["model"][k]) for k, v in actor["model"].items())  # the serving copies agree

@@ -40,8 +40,11 @@ def test_only_columns_held_for_every_row_are_served():
     assert local.take("p", [0], ["a"]) == {} and local.partitions() == []
 
 
-def _grpo(*overrides):
-    pipeline, _ = load_pipeline(str(ROOT / "examples" / "grpo.py"))
+def _grpo(*overrides, reward_group: bool = True):
+    """examples/grpo_reward_pool.py compiled (another group reads what the actor writes), or, without
+    `reward_group`, examples/grpo.py (every op on the actor's group)."""
+    example = "grpo_reward_pool.py" if reward_group else "grpo.py"
+    pipeline, _ = load_pipeline(str(ROOT / "examples" / example))
     return compile(pipeline, list(overrides))
 
 
@@ -62,6 +65,17 @@ def test_the_actor_keeps_what_its_own_ops_read_and_shares_what_others_read():
 def test_nothing_is_private_when_another_rank_may_read_it(overrides):
     kept, private = local_columns(_grpo(*overrides), "actor")
     assert "ref_log_prob" in kept and private == frozenset()
+
+
+def test_with_every_op_on_the_actor_only_the_step_s_summaries_reach_the_plane():
+    # examples/grpo.py as it is: the reward, the reference and the advantage ride in generation's calls
+    kept, private = local_columns(_grpo(reward_group=False), "actor")
+    assert kept - private == {"response_mask", "token_level_scores"}  # summaries (response_length, score)
+    assert {"prompts", "responses", "advantages", "ref_log_prob"} <= private
+    # two ranks: a column read only inside the chain that writes it stays private (its readers run in the
+    # writer's call, on its rows); what the update reads may be on the other rank
+    kept, private = local_columns(_grpo("groups.actor.dp=2", "data.batch_size=16", reward_group=False), "actor")
+    assert private == {"prompts"} and "advantages" in kept
 
 
 def test_nothing_is_private_with_dynamic_sampling():
