@@ -6,8 +6,9 @@ driver: the actor finishes generating, the driver learns of it, marks the rows r
 the next call. A *fused chain* removes that: the leader's call carries its followers, and the
 worker runs each follower on the call's rows right after the leader, reading the leader's
 outputs from its own memory (`rlgraph.runtime.dataplane.local`). A column goes to the data
-plane only when something outside the chain reads it (another group, a later op, a summary);
-one read only inside the chain never leaves the worker.
+plane only when something outside the chain may read it (another group, or a later op on another
+rank); one read only inside the chain never leaves the worker (a summary needs no plane: the
+worker sends each row's sum with the call's result).
 
 An op F follows leader L (``OpPlan.fused_into``) when all of these hold:
 

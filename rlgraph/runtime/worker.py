@@ -64,8 +64,8 @@ def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str
     """(columns a worker of `group` keeps in memory, those of them it never puts to the data plane).
 
     It keeps the per-sample data columns it writes that an op of its own group reads. It keeps
-    one to itself only when nothing else can need it and it is not a validation or summary
-    column, and either
+    one to itself only when nothing else can need it (a summary or validation column needs no
+    plane: the worker sends each row's sum with the call's result), and either
     - every reader is an op fused into the chain that writes it (`rlgraph.graph.fuse`): they run
       in the writer's call, on its rows, and a failed call runs the whole chain again; or
     - every reader is in the group, the group has one rank (so the reader runs where the writer
@@ -82,8 +82,7 @@ def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str
         col = plan.columns[c]
         return bool(col.consumers) and all(plan.op(r).fused_into == chain[col.producer] for r in col.consumers)
 
-    private = frozenset(c for c in kept if (inside_chain(c) or (alone and set(plan.columns[c].consumers) <= ops))
-                        and c not in plan.validation.columns and c not in plan.summaries)
+    private = frozenset(c for c in kept if inside_chain(c) or (alone and set(plan.columns[c].consumers) <= ops))
     return kept, private
 
 

@@ -56,9 +56,9 @@ def test_the_actor_keeps_what_its_own_ops_read_and_shares_what_others_read():
     assert private == {"input_ids", "attention_mask", "position_ids", "ref_log_prob", "policy_version",
                        "policy_version_end"}
     assert "responses" not in private and "response_mask" not in private  # reward and advantage read them
-    # the advantage reads the scores on the reward's worker (fused into its calls): kept there, and still
-    # shared, since the step's summaries (score/mean) and validation read them
-    assert local_columns(_grpo(), "reward") == (frozenset({"token_level_scores"}), frozenset())
+    # the advantage reads the scores on the reward's worker, inside the reward's calls: kept there and never
+    # sent (the step's score/mean and validation come from each row's sum in the call's result)
+    assert local_columns(_grpo(), "reward") == (frozenset({"token_level_scores"}), frozenset({"token_level_scores"}))
 
 
 @pytest.mark.parametrize("overrides", [["groups.actor.dp=2", "data.batch_size=16"]])
@@ -67,15 +67,16 @@ def test_nothing_is_private_when_another_rank_may_read_it(overrides):
     assert "ref_log_prob" in kept and private == frozenset()
 
 
-def test_with_every_op_on_the_actor_only_the_step_s_summaries_reach_the_plane():
-    # examples/grpo.py as it is: the reward, the reference and the advantage ride in generation's calls
+def test_with_every_op_on_the_actor_no_column_of_the_step_reaches_the_plane():
+    # examples/grpo.py as it is: the reward, the reference and the advantage ride in generation's calls and the
+    # update runs on the same single rank; the summaries (score, response_length) travel as each row's sum
     kept, private = local_columns(_grpo(reward_group=False), "actor")
-    assert kept - private == {"response_mask", "token_level_scores"}  # summaries (response_length, score)
-    assert {"prompts", "responses", "advantages", "ref_log_prob"} <= private
+    assert kept == private and {"prompts", "responses", "response_mask", "token_level_scores", "advantages",
+                                "ref_log_prob"} <= private
     # two ranks: a column read only inside the chain that writes it stays private (its readers run in the
     # writer's call, on its rows); what the update reads may be on the other rank
     kept, private = local_columns(_grpo("groups.actor.dp=2", "data.batch_size=16", reward_group=False), "actor")
-    assert private == {"prompts"} and "advantages" in kept
+    assert private == {"prompts", "token_level_scores"} and "advantages" in kept
 
 
 def test_nothing_is_private_with_dynamic_sampling():
