@@ -40,6 +40,20 @@ def test_only_columns_held_for_every_row_are_served():
     assert local.take("p", [0], ["a"]) == {} and local.partitions() == []
 
 
+def test_rows_from_several_keeps_come_back_in_order_with_the_last_value_of_each():
+    local = LocalColumns()
+    local.keep("p", [0, 1, 2, 3], {"x": torch.arange(8.0).view(4, 2), "t": ["a", "b", "c", "d"]})
+    local.keep("p", [4, 5], {"x": torch.full((2, 2), -1.0), "t": ["e", "f"]})
+    local.keep("p", [1], {"x": torch.full((1, 2), 9.0), "t": ["B"]})  # row 1 again (a call run twice)
+    got = local.take("p", [5, 1, 0, 4], ["x", "t"])
+    assert torch.equal(got["x"], torch.tensor([[-1.0, -1.0], [9.0, 9.0], [0.0, 1.0], [-1.0, -1.0]]))
+    assert got["t"] == ["f", "B", "a", "e"]
+    whole = local.take("p", [1], ["x"])["x"]  # one keep read whole: a copy, as a get's
+    whole.add_(100)
+    assert torch.equal(local.take("p", [1], ["x"])["x"], torch.full((1, 2), 9.0))
+    assert local.take("p", [0, 6], ["x"]) == {}  # row 6 was never kept here: read it from the plane
+
+
 def _grpo(*overrides, reward_group: bool = True):
     """examples/grpo_reward_pool.py compiled (another group reads what the actor writes), or, without
     `reward_group`, examples/grpo.py (every op on the actor's group)."""
