@@ -40,8 +40,8 @@ def model_dir(tmp_path_factory):
     return str(prepare_tiny_policy(str(tmp_path_factory.mktemp("tiny") / "model"), "add", sft_steps=100))
 
 
-def _plan(model_dir, backend, *extra):
-    pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
+def _plan(model_dir, backend, *extra, example="grpo"):
+    pipeline, ref = load_pipeline(str(ROOT / "examples" / f"{example}.py"))
     small = [f"actor.model_path={model_dir}", "data.batch_size=4", f"rollout.n={N}", "actor.mini_batch_size=2",
              "data.num_rows=64", f"rollout.backend={backend}", "rollout.cpu_kv_cache_gb=1", *extra]
     return rlgraph.compile(pipeline, small, pipeline_ref=ref)
@@ -296,7 +296,9 @@ def test_a_dead_engine_process_is_a_typed_error_naming_the_rank_and_is_restarted
 @pytest.mark.ray
 @pytest.mark.slow
 def test_grpo_on_vllm_streams_groups_and_schedules_agree(model_dir, tq_plane, tmp_path):
-    plan = _plan(model_dir, "vllm", "trainer.save_every=0", "reward.micro_batch_size=4")
+    # the reward on a pool of its own (in examples/grpo.py it rides in generation's call, after it): under
+    # stream its calls start on the first finished groups while generation still runs
+    plan = _plan(model_dir, "vllm", "trainer.save_every=0", "reward.micro_batch_size=4", example="grpo_reward_pool")
     assert plan.op("generate").streams and plan.op("generate").batching.per_rank
     stream = run_plan(plan, RunOptions(out_dir=tmp_path / "stream", steps=2, schedule="stream", timeout_s=300),
                       plane=tq_plane)
