@@ -267,6 +267,7 @@ def decode_rows(tokenizer: Any, rows: Sequence[Sequence[int]]) -> list[str]:
     Any other tokenizer goes through ``batch_decode``."""
     if not rows:
         return []
+    rows = [list(r) for r in rows]
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -276,8 +277,8 @@ def decode_rows(tokenizer: Any, rows: Sequence[Sequence[int]]) -> list[str]:
              and cls.decode is PreTrainedTokenizerBase.decode and cls.batch_decode is PreTrainedTokenizerBase.batch_decode
              and not tokenizer.clean_up_tokenization_spaces and hasattr(backend, "decode_batch"))
     if not plain:
-        return tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
-    return backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
+        return tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return backend.decode_batch(rows, skip_special_tokens=True)
 
 
 class TokenizerClasses:

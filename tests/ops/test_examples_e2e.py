@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import rlgraph
 from rlgraph.graph.loader import load_pipeline
 from rlgraph.runtime.checkpoint import load_state
+from rlgraph.runtime.export import WORKER_CLASSES
 from rlgraph.runtime.runner import Fault, RunOptions, run_plan
 
 pytestmark = pytest.mark.ray
@@ -42,9 +43,7 @@ def _plan(example, model_dir, *extra):
 def _policy(ckpt: Path, worker: str = "actor_0") -> dict:
     """The policy's saved state (model, optimizer) on `worker`: its ActorWorker's, beside the states of the
     other worker classes its group runs (the advantage's KL controller in examples/grpo.py)."""
-    states = load_state(ckpt, worker)["instances"]
-    (key,) = [k for k in states if k.endswith(":ActorWorker")]
-    return states[key]
+    return load_state(ckpt, worker)["instances"][WORKER_CLASSES["actor"]]
 
 
 def _stable(records):

@@ -86,8 +86,8 @@ def _gather(blocks: list[_Block], rows: tuple[int, ...]) -> ColumnData | None:
     """`rows` of one column from its blocks (the last block holding a row has its value), as a get
     returns them; None when a row is held by none."""
     last = blocks[-1]
-    if last.rows == rows:  # what one call wrote, read whole
-        return _copy(last.value)
+    if last.rows == rows:  # what one call wrote, read whole: a dense tensor copied (the body may change it)
+        return last.value.clone() if isinstance(last.value, torch.Tensor) else _assembled(last.value)
     where: dict[int, tuple[int, int]] = {}  # row -> (block, position in it)
     wanted = set(rows)
     for b, block in enumerate(blocks):
@@ -105,17 +105,13 @@ def _gather(blocks: list[_Block], rows: tuple[int, ...]) -> ColumnData | None:
             dest = [k for k, r in enumerate(rows) if where[r][0] == b]
             got[dest] = blocks[b].value[[where[rows[k]][1] for k in dest]]
         return got
-    values = [blocks[b].value[i] for b, i in (where[r] for r in rows)]
+    return _assembled([blocks[b].value[i] for b, i in (where[r] for r in rows)])
+
+
+def _assembled(values: Sequence[Any]) -> ColumnData:
+    """Per-row values as a get returns them (`assemble_rows`), JSON objects copied: a body may change
+    what it was given."""
+    values = list(values)
     if values and not isinstance(values[0], (torch.Tensor, str, bytes, int, float, bool)):
-        values = copy.deepcopy(values)  # JSON objects: a body may change what it was given
+        values = copy.deepcopy(values)
     return assemble_rows(values)
-
-
-def _copy(value: Any) -> ColumnData:
-    """A whole block as a get returns it: a dense tensor copied (the body may change it), a list of
-    per-row values as `assemble_rows` makes it (JSON objects copied)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if value and not isinstance(value[0], (torch.Tensor, str, bytes, int, float, bool)):
-        value = copy.deepcopy(value)
-    return assemble_rows(value)

@@ -14,7 +14,7 @@ import rlgraph
 from rlgraph.graph.loader import load_pipeline
 from rlgraph.ops.models import load_causal_lm
 from rlgraph.runtime.checkpoint import load_state
-from rlgraph.runtime.export import ExportError, export_model
+from rlgraph.runtime.export import WORKER_CLASSES, ExportError, export_model
 from rlgraph.runtime.runner import RunOptions, run_plan
 
 pytestmark = pytest.mark.ray
@@ -40,9 +40,7 @@ def model_dir(tmp_path_factory):
 def _policy(ckpt, worker: str) -> dict:
     """The policy's saved state on `worker`: its ActorWorker's (examples/grpo.py's actor also runs the
     reward and the advantage, whose KL controller saves a state of its own)."""
-    states = load_state(ckpt, worker)["instances"]
-    (key,) = [k for k in states if k.endswith(":ActorWorker")]
-    return states[key]
+    return load_state(ckpt, worker)["instances"][WORKER_CLASSES["actor"]]
 
 
 def _plan(model_dir, *extra):
