@@ -83,6 +83,7 @@ def admitted(runner: Runner, a: Admission) -> LiveStep:
                           gated=runner.window.gated_ops(reads_fixed=not key.training), row_nodes=a.row_nodes,
                           rank_nodes=runner.fleet.node_of)
     runner.window.admit(key, sched, reads=key.step if a.reads is None and not key.training else a.reads)
+    runner.fleet.read_ahead(a.partition, sched, a.ops)  # e.g. generation's prompts, read while the update runs
     if key.training:
         runner.reporter.step_started(key.step, sched.chunk_counts())
     return LiveStep(key, a.partition, sched, list(is_padding), a.t0, a.bytes0, source_metrics=data)

@@ -31,7 +31,7 @@ from rlgraph.graph.plan import Plan
 from rlgraph.graph.settings import DataplaneSettings
 from rlgraph.runtime.cluster import RayHandle, alive_nodes, check_cluster, check_lost_nodes, start_ray
 from rlgraph.runtime.dataplane.base import DataPlaneDied, dead_actors
-from rlgraph.runtime.scheduler import Call, row_homes
+from rlgraph.runtime.scheduler import Call, StepScheduler, row_homes
 
 __all__ = ["Fleet", "PLANE", "SOURCE"]
 
@@ -85,6 +85,9 @@ class Fleet:
         self._pgs: dict[str, Any] = {}  # pool -> placement group
         self._plane_job: concurrent.futures.Future | None = None  # the data plane starting beside the workers
         self._starter: concurrent.futures.ThreadPoolExecutor | None = None  # runs `_plane_job`
+        self._read_ahead: dict[str, tuple[str, ...]] | None = None  # op -> columns (`read_ahead`), made once
+        self._ahead_pending: dict[str, list[tuple[str, str, tuple[int, ...], tuple[str, ...]]]] = {}  # group -> reads
+        self._ahead_refs: list[Any] = []  # the read-aheads sent whose results were not read yet
         self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
         self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
@@ -216,15 +219,16 @@ class Fleet:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlgraph.runtime.worker import FaultInjectingWorker, GroupWorker
+        from rlgraph.runtime.worker import READ_AHEAD, FaultInjectingWorker, GroupWorker
 
         g = self.plan.group(name)
         share = sum(1 for x in self.plan.groups if x.pool == g.pool)  # colocated groups time-share bundles
         bundle = next(p for p in self.plan.pools if p.name == g.pool).bundles
         self.workers[name] = [
-            # CONTROL: a second thread, for state imports that must not wait for the running call
-            ray.remote(concurrency_groups={CONTROL: 1})(FaultInjectingWorker if self._inject_faults
-                                                         else GroupWorker).options(
+            # CONTROL: a second thread, for state imports that must not wait for the running call;
+            # READ_AHEAD: a third, for reads ahead of a call (`GroupWorker.read_ahead`)
+            ray.remote(concurrency_groups={CONTROL: 1, READ_AHEAD: 1})(
+                FaultInjectingWorker if self._inject_faults else GroupWorker).options(
                 num_cpus=max(bundle[r].num_cpus, 0.01) / share,
                 num_gpus=bundle[r].num_gpus / share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -443,6 +447,8 @@ class Fleet:
         # cleared and its slots reused: a recovery restores every worker (which waits for their calls)
         # before it creates a partition again
         hook["addresses"] = self.plane.addresses(partition, rows)
+        if call.rank == 0 and call.group in self._ahead_pending:
+            self._send_read_aheads(call.group, c.op, partition)
         if self.plan.op(c.op).streams:
             return worker.run_chunk_stream.options(num_returns="streaming").remote(
                 c.op, step, partition, c.index, rows, row_uids, list(tags), dict(batch_inputs), salt, **hook)
@@ -523,6 +529,8 @@ class Fleet:
     def clear(self, partition: str) -> None:
         """Clear `partition` from the data plane, and have every worker drop what it kept of it in
         memory (`rlgraph.runtime.dataplane.local`; queued behind the calls it is running)."""
+        for group, pending in self._ahead_pending.items():
+            pending[:] = [p for p in pending if p[1] != partition]
         try:
             self.plane.clear(partition)
         finally:
@@ -531,6 +539,47 @@ class Fleet:
                     w.forget.remote(partition)
                 except Exception:  # a dead actor: its memory went with it
                     pass
+
+    def read_ahead(self, partition: str, sched: StepScheduler, ops: set[str] | None) -> None:
+        """Plan reads ahead for the step just admitted (`sched`; `ops`: its ops, None: all): the
+        worker of each op that reads only the source's columns (`worker.read_ahead_ops`) is to read
+        them for the op's call while it runs the call before it. The read is sent with the next call
+        this fleet sends that worker (`submit`): in a synchronous step the update, which generation
+        then waits for; sent at once, it would share the worker with the generation still running.
+        Only where the rank is known now (a group of one rank, `StepScheduler.single_rank_rows`);
+        nothing is waited for."""
+        if self._read_ahead is None:
+            from rlgraph.runtime.worker import read_ahead_ops
+
+            self._read_ahead = read_ahead_ops(self.plan)
+        for op, columns in self._read_ahead.items():
+            rows = sched.single_rank_rows(op) if ops is None or op in ops else None
+            if rows:
+                self._ahead_pending.setdefault(self.plan.op(op).group, []).append((op, partition, rows, columns))
+
+    def _send_read_aheads(self, group: str, op: str, partition: str) -> None:
+        """Before a call of `op` on `partition` to rank 0 of `group`: the reads ahead planned for that
+        worker, but the one for this very call (it reads for itself)."""
+        import ray
+
+        from rlgraph.runtime.worker import READ_AHEAD
+
+        pending = self._ahead_pending.pop(group, None)
+        if not pending:
+            return
+        if self._ahead_refs:  # the earlier ones' results (None, or a dead worker's error): read, so Ray logs none
+            done, self._ahead_refs = ray.wait(self._ahead_refs, num_returns=len(self._ahead_refs), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead worker: its call fails and recovery restarts it
+                    pass
+        worker = self.workers[group][0]
+        for ahead_op, ahead_partition, rows, columns in pending:
+            if (ahead_op, ahead_partition) == (op, partition):
+                continue
+            self._ahead_refs.append(worker.read_ahead.options(concurrency_group=READ_AHEAD).remote(
+                ahead_partition, list(rows), list(columns), self.plane.addresses(ahead_partition, rows)))
 
     def produce(self, partition: str, rows: int, uid_start: int, validation: bool) -> Any:
         """Have the source write a step's first columns; returns what to wait on (`result` gives the

@@ -396,6 +396,16 @@ class StepScheduler:
         """Op -> its number of chunks this step (ops that run only)."""
         return {name: len(st.chunks) for name, st in self.ops.items() if not st.skipped}
 
+    def single_rank_rows(self, op: str) -> tuple[int, ...] | None:
+        """Every row `op` runs on this step, in chunk order, when all of them go to one rank (its
+        group has one): what that worker may read ahead for its calls (`rlgraph.runtime.fleet.Fleet.read_ahead`).
+        None for a group of several ranks (the rank of a chunk is chosen at dispatch), an op fused
+        into another's calls, or one that does not run."""
+        st = self.ops.get(op)
+        if st is None or st.skipped or st.leader is not None or not st.chunks or self._dp[st.plan.group] != 1:
+            return None
+        return tuple(r for c in sorted(st.chunks, key=lambda c: c.index) for r in c.rows)
+
     def unfinished(self) -> dict[str, str]:
         """Op -> a short description of what it still waits for (for timeout messages)."""
         out = {}

@@ -67,6 +67,7 @@ class Span(Compact):
     events: tuple[tuple[float, float, int, str], ...] = ()
     io_s: float = 0.0  # of the call's time, reading its inputs from and writing its outputs to the data plane
     fused_into: str = ""  # the op whose call this one ran inside (a fused chain), if any
+    read_ahead: int = 0  # input columns the call took from a read ahead of it (`GroupWorker.read_ahead`)
 
     @property
     def duration(self) -> float:
@@ -95,7 +96,8 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
             "name": s.op, "cat": f"step{s.step}", "ph": "X", "pid": pid[s.group], "tid": s.rank,
             "ts": round((s.start - t0) * 1e6, 1), "dur": round(s.duration * 1e6, 1),
             "args": {"step": s.step, "chunk": s.chunk, "rows": s.rows,
-                     **({"fused_into": s.fused_into} if s.fused_into else {})},
+                     **({"fused_into": s.fused_into} if s.fused_into else {}),
+                     **({"read_ahead": s.read_ahead} if s.read_ahead else {})},
         })
         for t, rows in s.parts:  # instant events: when a streaming call handed over each part
             events.append({"name": f"{s.op} part", "cat": f"step{s.step}", "ph": "i", "s": "t", "pid": pid[s.group],

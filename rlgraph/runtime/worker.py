@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 import traceback
 from collections import Counter
@@ -24,12 +25,16 @@ import torch
 
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.dataplane import locality_bytes_in_this_process
+from rlgraph.runtime.dataplane import assemble_rows, count_locality, counted_apart, locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
 from rlgraph.runtime.trace import Compact, Span
 
-__all__ = ["CallResult", "GroupWorker", "PartResult"]
+__all__ = ["CallResult", "GroupWorker", "PartResult", "READ_AHEAD", "read_ahead_ops"]
+
+READ_AHEAD = "read_ahead"  # the worker actors' concurrency group for reads ahead of a call (`GroupWorker.read_ahead`)
+_READ_AHEAD_KEEP = 4  # partitions whose read-ahead a worker holds at most (a fifth drops the oldest)
+_READ_AHEAD_WAIT_S = 60.0  # a call waits this long at most for a read-ahead still running, then reads itself
 
 
 @dataclass
@@ -84,6 +89,65 @@ def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str
 
     private = frozenset(c for c in kept if inside_chain(c) or (alone and set(plan.columns[c].consumers) <= ops))
     return kept, private
+
+
+def read_ahead_ops(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """The ops whose first call of a step the driver has their worker read ahead for, with the
+    columns it reads (`GroupWorker.read_ahead`): an op that reads only the data source's columns
+    (so its inputs exist once the step is admitted) and leads its calls, on a group of one rank (so
+    the rank is known before the call is made); the columns are the source's that it and the ops
+    fused into it read. None with dynamic sampling (its batches are assembled from rounds)."""
+    if plan.refill is not None:
+        return {}
+    source = set(plan.source_columns)
+    out: dict[str, tuple[str, ...]] = {}
+    for op in plan.ops:
+        sample = [c for c in op.inputs if plan.columns[c].level == "sample"]
+        if op.fused_into or plan.group(op.group).dp != 1 or not sample or not set(sample) <= source:
+            continue
+        chain = [op, *(o for o in plan.ops if o.fused_into == op.name)]
+        cols = [c for o in chain for c in o.inputs
+                if c in source and plan.columns[c].level == "sample" and plan.columns[c].stored]
+        out[op.name] = tuple(dict.fromkeys(cols))
+    return out
+
+
+@dataclass
+class _ReadAhead:
+    """Columns read for calls before they came (`GroupWorker.read_ahead`): every row of an op on
+    this worker, handed out to its calls once per row and column (a call retried reads again)."""
+
+    rows: tuple[int, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    values: dict[str, Any] = field(default_factory=dict)
+    moved: tuple[int, int] = (0, 0)  # the read's (local, cross-node) bytes, counted for the first call it serves
+    served: dict[str, set[int]] = field(default_factory=dict)  # column -> rows handed out
+    _at: dict[int, int] | None = None
+
+    def take(self, rows: tuple[int, ...], columns: Sequence[str]) -> dict[str, Any]:
+        """`columns` of `rows` as a get of them returns them (all of them: the values as read; some:
+        those rows, `assemble_rows`), for each column none of whose `rows` was handed out before."""
+        if rows != self.rows:
+            if self._at is None:
+                self._at = {r: i for i, r in enumerate(self.rows)}
+            if any(r not in self._at for r in rows):
+                return {}
+        out: dict[str, Any] = {}
+        for c in columns:
+            if c not in self.values or not self.served.setdefault(c, set()).isdisjoint(rows):
+                continue
+            v = self.values[c]
+            if rows == self.rows:
+                out[c] = v
+            else:
+                picks = [self._at[r] for r in rows]
+                out[c] = v[picks] if isinstance(v, torch.Tensor) else assemble_rows([v[i] for i in picks])
+            self.served[c].update(rows)
+        return out
+
+    @property
+    def used_up(self) -> bool:
+        return all(len(self.served.get(c, ())) == len(self.rows) for c in self.values)
 
 
 def _private_copy(value: Any) -> Any:
@@ -190,6 +254,11 @@ class GroupWorker:
         self._readers: Counter[str] = Counter()
         self.client = handle.connect() if handle is not None else None  # else `connect`, once the plane is up
         self.invoker: Invoker | None = None  # made by setup(), once the group's rendezvous is known
+        # reads ahead of calls (`read_ahead`, on a thread of their own): partition -> what was read
+        self._ahead: dict[str, _ReadAhead] = {}
+        self._forgotten: dict[str, None] = {}  # the partitions forgotten lately (a read ahead of one is dropped)
+        self._ahead_lock = threading.Lock()
+        self._ahead_served = 0  # columns the op call running now took from a read-ahead
 
     def connect(self, handle: Any) -> None:
         """Connect to the data plane (a worker started before the plane was ready)."""
@@ -270,6 +339,7 @@ class GroupWorker:
         """`run_chunk` for one op of the call (`fused_into`: the call's op, when this one is fused into it)."""
         start, op = time.time(), self.plan.op(op_name)
         moved = locality_bytes_in_this_process()
+        self._ahead_served = 0
         outs: list[dict[str, Any]] = []
         dropped: dict[int, tuple[str, bool]] = {}
         events: list[tuple[float, float, int, str]] = []
@@ -299,7 +369,7 @@ class GroupWorker:
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
                       start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, fused_into=fused_into,
-                      **_moved_since(moved)),
+                      read_ahead=self._ahead_served, **_moved_since(moved)),
             metrics=metrics,
             summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
@@ -337,6 +407,7 @@ class GroupWorker:
         start, op, rows = time.time(), self.plan.op(op_name), tuple(rows)
         self._learn(partition, rows, addresses)
         moved = locality_bytes_in_this_process()
+        self._ahead_served = 0
         self._begin_call(op_name, fused)
         with self._failures(op_name, step, chunk, rows, uids):
             inputs = self._inputs(op, partition, rows, step, chunk)
@@ -360,7 +431,7 @@ class GroupWorker:
         result = CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunk, rows=len(rows),
                       start=start, end=time.time(), parts=tuple(handed), events=tuple(self.invoker.last_events),
-                      io_s=io_s, **_moved_since(moved)),
+                      io_s=io_s, read_ahead=self._ahead_served, **_moved_since(moved)),
             metrics=[{c: v for c, v in rest.items() if self.plan.columns[c].kind == "metric"}],
             batch_values={c: v for c, v in rest.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
@@ -400,6 +471,51 @@ class GroupWorker:
         if addresses is not None and self.client is not None:
             self.client.learn(partition, rows, addresses)
 
+    def read_ahead(self, partition: str, rows: Sequence[int], columns: Sequence[str], addresses: Any = None) -> None:
+        """Read `columns` of `rows` of `partition` for a call that has not come yet (on the actor's
+        `READ_AHEAD` thread, while the running call computes): the call then takes them instead of
+        waiting for a get (`_read`). Planned by the driver when it admits a step, for an op that
+        reads only the data source's columns (`read_ahead_ops`), and sent with this worker's next
+        call (`rlgraph.runtime.fleet.Fleet.read_ahead`): in a synchronous step, generation waits for
+        the update's weights, and its get no longer follows them. A read that fails is left to the
+        call, which reads again and reports what fails."""
+        ahead = _ReadAhead(tuple(rows))
+        with self._ahead_lock:
+            if partition in self._forgotten or self.client is None:
+                return
+            self._ahead[partition] = ahead
+            while len(self._ahead) > _READ_AHEAD_KEEP:
+                self._ahead.pop(next(iter(self._ahead))).done.set()
+        try:
+            self._learn(partition, ahead.rows, addresses)
+            with counted_apart() as moved:  # counted for the call it serves, not the one running now
+                ahead.values = self.client.get(partition, ahead.rows, list(columns))
+            ahead.moved = (moved[0], moved[1])
+        except Exception:  # noqa: BLE001 - the call reads for itself and names what fails
+            ahead.values = {}
+        finally:
+            ahead.done.set()
+
+    def _read(self, partition: str, rows: tuple[int, ...], columns: list[str]) -> dict[str, Any]:
+        """`columns` of `rows`: those read ahead for them (`_ReadAhead.take`), the others from the
+        data plane."""
+        with self._ahead_lock:
+            ahead = self._ahead.get(partition)
+        out: dict[str, Any] = {}
+        if ahead is not None and ahead.done.wait(_READ_AHEAD_WAIT_S):
+            with self._ahead_lock:
+                out = ahead.take(rows, columns)
+                self._ahead_served += len(out)
+                if out and ahead.moved != (0, 0):
+                    count_locality(*ahead.moved)
+                    ahead.moved = (0, 0)
+                if ahead.used_up:
+                    self._ahead.pop(partition, None)
+        rest = [c for c in columns if c not in out]
+        if rest:
+            out.update(self.client.get(partition, rows, rest))
+        return out
+
     def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
         sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
         extra, self._prefetch = self._prefetch, []  # the leader of a fused call gets its followers' reads too
@@ -412,7 +528,7 @@ class GroupWorker:
         rest = [c for c in sample_inputs if c not in got]
         extra = [c for c in extra if c not in got and c not in rest]
         if rest or extra:
-            read = self.client.get(partition, rows, rest + extra)
+            read = self._read(partition, rows, rest + extra)
             got.update((c, read[c]) for c in rest)
             if cache is not None:  # what a follower reads, copied before this op's body runs (its changes stay its own)
                 cache.update((c, _private_copy(v) if c in rest else v) for c, v in read.items() if c in self._wanted)
@@ -434,6 +550,11 @@ class GroupWorker:
     def forget(self, partition: str) -> None:
         """The driver cleared `partition`: drop what this worker kept of it."""
         self.local.forget(partition)
+        with self._ahead_lock:
+            self._ahead.pop(partition, None)
+            self._forgotten[partition] = None
+            while len(self._forgotten) > 256:
+                self._forgotten.pop(next(iter(self._forgotten)))
         if self.client is not None:
             self.client.forget(partition)
 

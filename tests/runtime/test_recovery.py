@@ -98,6 +98,7 @@ def _fleet(workers, source=None, timeout_s=30.0):
     cleared: list[str] = []
     fleet.workers, fleet.source, fleet.timeout_s = {"g": workers}, source, timeout_s
     fleet.plane = SimpleNamespace(clear=cleared.append)
+    fleet._ahead_pending = {}  # reads ahead planned for workers (clear drops a cleared partition's)
     return fleet, cleared
 
 

@@ -352,3 +352,16 @@ def test_a_step_that_skips_a_fused_op_sends_its_leader_alone():
                                                                                                    "reward"])
     refill = StepScheduler(plan, [1, 1, 2, 2, 7, 7, 8, 8], [False] * 4 + [True] * 4, 0, carried=carried)
     assert "ref" in {c.chunk.op for c in _drain(refill)}
+
+
+def test_a_group_of_one_rank_runs_every_row_of_its_ops_so_its_rows_are_known_ahead():
+    plan = _plan("grpo", "data.batch_size=3", "rollout.n=4", "actor.mini_batch_size=2", "reward.micro_batch_size=5")
+    sched = _sched(plan, 3, 4)
+    assert sched.single_rank_rows("generate") == tuple(range(16))
+    assert sched.single_rank_rows("ref") is None  # fused into generate's calls: never dispatched itself
+    calls = [c for c in sched.next_calls() if c.chunk.op == "generate"]
+    assert [c.rows for c in calls] == [sched.single_rank_rows("generate")]
+    # two ranks: which rank runs a chunk is decided at dispatch, so no rows are known ahead
+    two = _sched(_plan("grpo", "data.batch_size=3", "rollout.n=4", "actor.mini_batch_size=2", "groups.actor.dp=2"),
+                 3, 4)
+    assert two.single_rank_rows("generate") is None

@@ -12,6 +12,8 @@ from rlgraph.runtime.dataplane.base import (
     DataPlaneError,
     DataPlaneHandle,
     assemble_rows,
+    count_locality,
+    counted_apart,
     locality_bytes_in_this_process,
     payload_bytes_in_this_process,
 )
@@ -42,6 +44,8 @@ __all__ = [
     "DataPlaneError",
     "DataPlaneHandle",
     "assemble_rows",
+    "count_locality",
+    "counted_apart",
     "locality_bytes_in_this_process",
     "payload_bytes_in_this_process",
     "RayObjectStoreDataPlane",

@@ -29,10 +29,11 @@ otherwise, and a list for non-tensor columns. Both backends apply this one rule
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
 
@@ -45,6 +46,8 @@ __all__ = [
     "DataPlane",
     "DataPlaneHandle",
     "assemble_rows",
+    "count_locality",
+    "counted_apart",
     "dead_actors",
     "payload_bytes_in_this_process",
 ]
@@ -90,12 +93,30 @@ def payload_bytes_in_this_process() -> int:
 # Of those, the bytes whose storage is on this process's node and on another node, where the
 # plane knows (TransferQueue: each row's storage unit and that unit's node).
 _locality = [0, 0]
+_apart = threading.local()  # a thread's own counts while it reads for a later call (`counted_apart`)
 
 
 def count_locality(local: int, remote: int) -> None:
+    box = getattr(_apart, "box", None)
+    if box is not None:
+        box[0] += local
+        box[1] += remote
+        return
     with _bytes_lock:
         _locality[0] += local
         _locality[1] += remote
+
+
+@contextlib.contextmanager
+def counted_apart() -> Iterator[list[int]]:
+    """Within: this thread's local and cross-node bytes go to the yielded ``[local, remote]``, not
+    the process's counts (a worker's read ahead of a call, counted for that call when it comes)."""
+    box = [0, 0]
+    _apart.box = box
+    try:
+        yield box
+    finally:
+        _apart.box = None
 
 
 def locality_bytes_in_this_process() -> tuple[int, int]:

@@ -251,6 +251,11 @@ def payload_nbytes(cells: Sequence[bytes]) -> list[int]:
 
 
 def _objects(cells: Sequence[Any]) -> list[Any]:
+    tags = {c[0] for c in cells}
+    if tags == {_JSON}:  # one parse of the rows as one JSON array, not one json.loads a row (~7 us each)
+        return json.loads(b"[" + b",".join(memoryview(c)[1:] for c in cells) + b"]")
+    if tags == {_STR}:
+        return [str(memoryview(c)[1:], "utf-8") for c in cells]
     out = []
     for c in cells:
         tag = c[0]

@@ -71,6 +71,23 @@ def test_strings_and_objects_keep_their_values_and_types():
     assert back == [[1, 2], {"1": "a"}]
 
 
+def test_a_column_of_only_objects_or_only_strings_decodes_as_row_by_row_would():
+    """All-JSON and all-string columns are decoded in one parse (one JSON array; one pass), not one
+    call per row: the values and their types are the same, each row's object its own."""
+    objects = [{"index": i, "x": [1.5, None, 'q"\\,]'], "nan": float("nan")} for i in range(5)] + [[], {}, 0, "s"]
+    encoded, back = _round_trip(objects, len(objects))
+    assert all(c[:1] == b"j" for c in encoded[:-1])  # "s" is a string, its own tag: a mixed column
+    import json
+    import math
+
+    assert json.dumps(back) == json.dumps(objects) and math.isnan(back[0]["nan"])
+    encoded, back = _round_trip(objects[:5], 5)
+    assert json.dumps(back) == json.dumps(objects[:5]) and back[0] is not back[1] and back[0]["x"] is not back[1]["x"]
+    strings = ["3+4=", "", "ünï", "a\x00b", "[1,2]"]
+    _, back = _round_trip(strings, len(strings))
+    assert back == strings and all(type(v) is str for v in back)
+
+
 def test_objects_are_never_unpickled_and_code_objects_are_refused():
     """A cell is data: an object that only pickle could carry is an error at the put, naming what
     goes instead, and no decode path runs an unpickler."""

@@ -97,3 +97,38 @@ def test_nothing_is_private_with_dynamic_sampling():
     pipeline, _ = load_pipeline(str(ROOT / "examples" / "dapo.py"))
     kept, private = local_columns(compile(pipeline, []), "actor")
     assert kept and private == frozenset()  # kept rows are copied between partitions through the plane
+
+
+def test_generation_reads_ahead_the_source_columns_it_and_its_fused_ops_read():
+    from rlgraph.runtime.worker import read_ahead_ops
+
+    plan = _grpo(reward_group=False)
+    assert plan.op("reward").fused_into == "generate"
+    # generation reads only the source's prompts; the reward and the advantage, fused into its calls, read the
+    # source's answers and group ids: one read of all of them
+    assert read_ahead_ops(plan) == {"generate": ("prompt_ids", "data_source", "ground_truth", "extra_info",
+                                                 "uid", "is_padding")}
+    assert read_ahead_ops(_grpo()) == {"generate": ("prompt_ids",)}  # the reward reads on its own group
+    assert read_ahead_ops(_grpo("groups.actor.dp=2", "data.batch_size=16", reward_group=False)) == {}
+    pipeline, _ = load_pipeline(str(ROOT / "examples" / "dapo.py"))
+    assert read_ahead_ops(compile(pipeline, [])) == {}  # dynamic sampling assembles its batches from rounds
+
+
+def test_a_read_ahead_hands_each_row_of_a_column_out_once_as_a_get_of_those_rows_would():
+    from rlgraph.runtime.worker import _ReadAhead
+
+    ragged = [torch.ones(2), torch.ones(3), torch.ones(2), torch.ones(2)]
+    ahead = _ReadAhead((0, 1, 2, 3), values={"dense": torch.arange(8).view(4, 2), "ragged": ragged,
+                                              "text": ["a", "b", "c", "d"]})
+    first = ahead.take((2, 3), ["dense", "ragged", "text", "absent"])
+    assert torch.equal(first["dense"], torch.tensor([[4, 5], [6, 7]]))
+    assert torch.equal(first["ragged"], torch.ones(2, 2))  # rows of one shape: dense, as the plane's get gives
+    assert first["text"] == ["c", "d"] and "absent" not in first
+    assert ahead.take((3,), ["dense"]) == {}  # handed out already: a retried call reads from the plane
+    assert ahead.take((4,), ["dense"]) == {}  # a row it did not read
+    assert not ahead.used_up
+    rest = ahead.take((0, 1), ["dense", "ragged", "text"])
+    assert [len(r) for r in rest["ragged"]] == [2, 3] and rest["text"] == ["a", "b"]
+    assert ahead.used_up
+    whole = _ReadAhead((0, 1), values={"text": ["x", "y"]})
+    assert whole.take((0, 1), ["text"])["text"] is whole.values["text"]  # all its rows: the value as read
