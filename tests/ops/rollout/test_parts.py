@@ -40,3 +40,30 @@ def test_a_group_larger_than_the_budget_still_gets_its_own_call():
 def test_the_whole_grpo_example_batch_is_one_call_by_default():
     groups, prompts = _groups([8] * 64, n=8)  # 64 prompts x 8 samples, 8-token prompts, 4 new tokens
     assert len(micro_batches(groups, prompts, 0, 16384, 4)) == 1
+
+
+def test_hf_rollout_log_probs_are_each_token_s_log_softmax_of_the_processed_scores(tmp_path):
+    """hf_parts computes the log-probs one generation step at a time for all rows; they equal each row's own
+    log_softmax of the scores generate returns (the same draw, the same seed), to the bit, up to its stop."""
+    from rlgraph.ops import models
+    from rlgraph.ops.rollout.parts import cut_lengths, hf_parts, left_pad
+
+    path = models.build_tiny_model(tmp_path / "m", hidden_size=32, num_heads=2, seed=1)
+    model, tok = models.load_causal_lm(path), models.load_tokenizer(path, padding_side="left")
+    prompts = [torch.tensor(tok.encode(t)) for t in ("1+2=", "1+2=", "34+5=", "34+5=")]
+    ((positions, cols),) = list(hf_parts(model, tok, prompts, [False] * 4, n=2, seed=7, micro_batch_size=0,
+                                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5, logprobs=True))
+    assert positions == [0, 1, 2, 3]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    from rlgraph.seeds import stable_seed
+
+    torch.manual_seed(stable_seed(7, 0))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=True, temperature=1.0,
+                         top_p=1.0, top_k=None, pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id],
+                         return_dict_in_generate=True, output_scores=True)
+    new = out.sequences[:, ids.shape[1]:]
+    for j, length in enumerate(cut_lengths(new, {tok.eos_token_id})):
+        assert torch.equal(cols["responses"][j], new[j, :length])
+        scores = torch.stack([s[j] for s in out.scores[:length]]).float()
+        want = torch.log_softmax(scores, dim=-1).gather(-1, new[j, :length, None]).squeeze(-1)
+        assert torch.equal(cols["rollout_log_probs"][j], want)
