@@ -198,7 +198,8 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                "(TRL: two, as rlgraph's actor). The phase table: rlgraph's op calls' busy time per step (generate, ref, reward, "
                "update_actor; 'of it data plane': the calls' own gets and puts), against the time TRL's step spends "
                "in the same work (its _generate, the reference model's log-probs, the reward function, and the step "
-               "less its rollout phase: loss, backward and optimizer)."),
+               "less its rollout phase: loss, backward and optimizer). Decoding the responses to text falls in TRL's "
+               "_generate and in rlgraph's reward op."),
         command=common.command_line(argv or ["trl_peer"]),
     )
 
