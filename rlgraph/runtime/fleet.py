@@ -529,7 +529,7 @@ class Fleet:
     def clear(self, partition: str) -> None:
         """Clear `partition` from the data plane, and have every worker drop what it kept of it in
         memory (`rlgraph.runtime.dataplane.local`; queued behind the calls it is running)."""
-        for group, pending in self._ahead_pending.items():
+        for pending in self._ahead_pending.values():  # reads planned for it that were not sent yet
             pending[:] = [p for p in pending if p[1] != partition]
         try:
             self.plane.clear(partition)
