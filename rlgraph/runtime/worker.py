@@ -105,8 +105,7 @@ def read_ahead_ops(plan: Plan) -> dict[str, tuple[str, ...]]:
         sample = [c for c in op.inputs if plan.columns[c].level == "sample"]
         if op.fused_into or plan.group(op.group).dp != 1 or not sample or not set(sample) <= source:
             continue
-        chain = [op, *(o for o in plan.ops if o.fused_into == op.name)]
-        cols = [c for o in chain for c in o.inputs
+        cols = [c for name in (op.name, *plan.followers(op.name)) for c in plan.op(name).inputs
                 if c in source and plan.columns[c].level == "sample" and plan.columns[c].stored]
         out[op.name] = tuple(dict.fromkeys(cols))
     return out
@@ -484,8 +483,8 @@ class GroupWorker:
             if partition in self._forgotten or self.client is None:
                 return
             self._ahead[partition] = ahead
-            while len(self._ahead) > _READ_AHEAD_KEEP:
-                self._ahead.pop(next(iter(self._ahead))).done.set()
+            while len(self._ahead) > _READ_AHEAD_KEEP:  # the oldest: done (reads run one at a time, on one thread)
+                self._ahead.pop(next(iter(self._ahead)))
         try:
             self._learn(partition, ahead.rows, addresses)
             with counted_apart() as moved:  # counted for the call it serves, not the one running now
