@@ -62,37 +62,44 @@ def _child_score(ref: str, kwargs: dict[str, Any]) -> Any:
     return fn(**kwargs)
 
 
-# A pool thread takes a run of samples at once, as many as take about this long by the function's
-# measured time per sample (and at most its share of the call's samples): handing samples one by one
-# to threads costs ~20 us each, far more than a rule-based check (a 128-sample call of the addition
-# task: 2.7 ms on the pool, 0.07 ms of scoring)
+# A call's samples wait in one list that its threads take from in turn, one at a time; it starts
+# on as many threads as its measured work needs, about `RUN_BUDGET_S` of scoring each (a fast
+# rule-based function's call: one thread), and gets the rest of `concurrency` whenever samples have
+# waited that long untaken (a function that turned slow, or a sample that stalled). A sample handed
+# to a thread costs more than a rule-based check: a 512-sample call of the addition task cost
+# 1.4 ms on eight threads with two locks a sample, where its scoring takes 0.2 ms.
 RUN_BUDGET_S = 0.002
 
 
 class _Batch:
-    """One `score` call's samples on the thread pool: results, when each running one started, and
-    the run (the samples one thread scores in turn) each belongs to."""
+    """One `score` call's samples on the thread pool: their arguments, results, the next sample no
+    thread has taken, when each sample being scored started, and how many threads serve it.
 
-    def __init__(self, n: int) -> None:
-        self.results: list[tuple[str, Any, float] | None] = [None] * n
-        self.started: dict[int, float] = {}
-        self.remaining = n
-        self.cond = threading.Condition()
-        self.run_of: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    A thread takes no lock per sample. It takes the next index off the end of `untaken` (a list's
+    ``pop`` is one C call: atomic under the GIL), records the sample's start in
+    `started`, and claims the sample's result by popping that entry; the caller gives a sample up
+    (its time ran out) by popping it first. Whoever pops the entry owns ``results[i]`` (a dict's
+    ``pop`` is atomic under the GIL too). `serving` changes under `cond`, once per thread and batch."""
 
-    def rest_of_run(self, i: int) -> list[tuple[int, dict[str, Any]]]:
-        """The samples after `i` in its run that no thread has started (call under `cond`)."""
-        run = self.run_of.get(i, [])
-        after = [k for k, (j, _) in enumerate(run) if j == i]
-        return [(j, kw) for j, kw in run[after[0] + 1:] if self.results[j] is None and j not in self.started] \
-            if after else []
+    def __init__(self, columns: tuple[Sequence[Any], ...]) -> None:
+        self.columns = columns  # data sources, solutions, ground truths, extra infos
+        self.n = len(columns[0])
+        self.results: list[tuple[str, Any, float] | None] = [None] * self.n
+        self.untaken = list(range(self.n - 1, -1, -1))  # the samples no thread has taken, the next last
+        self.started: dict[int, float] = {}  # sample -> when a thread started it, until claimed
+        self.serving = 0  # threads handed this batch and not yet done with it (not counting given-up ones)
+        self.cond = threading.Condition(threading.Lock())
+
+    def done(self) -> bool:
+        """Every sample has a result (call under `cond`): all were taken and no thread still scores one."""
+        return self.serving == 0 and not self.started and not self.untaken
 
 
 class _ThreadPool:
-    """Long-lived scoring threads, `size` of them taking runs of samples off one queue (threads
-    started per sample cost more than a rule-based function's scoring). A thread whose sample runs
-    past its time limit is left behind: it ends once its function returns, the rest of its run goes
-    back on the queue, and `replace` starts a fresh thread, so `size` threads keep serving."""
+    """Long-lived scoring threads, `size` of them, each taking a batch off one queue and scoring
+    its samples until none is left untaken (threads started per sample cost more than a rule-based
+    function's scoring). A thread whose sample runs past its time limit is left behind: it ends
+    once its function returns, and `replace` starts a fresh thread, so `size` threads keep serving."""
 
     def __init__(self, fn: Any, size: int) -> None:
         self.fn = fn
@@ -123,26 +130,35 @@ class _ThreadPool:
 
     def _serve(self) -> None:
         while True:
-            task = self.tasks.get()
-            if task is None:  # stopped
+            batch = self.tasks.get()
+            if batch is None:  # stopped
                 return
-            batch, run = task
-            for i, kwargs in run:
-                t0 = time.monotonic()
+            if not self._score(batch):  # given up on (timeout): this thread was replaced
+                return
+
+    def _score(self, batch: _Batch) -> bool:
+        """Score `batch`'s untaken samples one after another; False when one of them was given up on
+        (its time ran out: the caller has replaced this thread)."""
+        fn, (sources, solutions, truths, extras) = self.fn, batch.columns
+        started, results, untaken, clock = batch.started, batch.results, batch.untaken, time.monotonic
+        while True:
+            try:
+                i = untaken.pop()
+            except IndexError:  # every sample taken
                 with batch.cond:
-                    batch.started[i] = t0
-                try:
-                    res: tuple[str, Any] = ("ok", self.fn(**kwargs))
-                except Exception as e:  # the user's function failed: recorded per sample
-                    res = ("error", _describe(e))
-                with batch.cond:
-                    if batch.results[i] is not None:  # given up on (timeout): this thread was replaced
-                        return
-                    batch.results[i] = (res[0], res[1], time.monotonic() - t0)
-                    batch.started.pop(i, None)
-                    batch.remaining -= 1
-                    if not batch.remaining:
+                    batch.serving -= 1
+                    if batch.done():
                         batch.cond.notify_all()
+                return True
+            t0 = started[i] = clock()
+            try:
+                res: tuple[str, Any] = ("ok", fn(data_source=sources[i], solution_str=solutions[i],
+                                                 ground_truth=truths[i], extra_info=extras[i]))
+            except Exception as e:  # the user's function failed: recorded per sample
+                res = ("error", _describe(e))
+            if started.pop(i, None) is None:  # given up on: its result is the caller's timeout
+                return False
+            results[i] = (res[0], res[1], clock() - t0)
 
 
 def _describe(e: BaseException) -> str:
@@ -182,17 +198,22 @@ class RewardScorer:
             raise RewardFnError(f"RewardScorer.score got lists of different lengths: {n} data sources, "
                                 f"{len(solution_strs)} solutions, {len(ground_truths)} ground truths, "
                                 f"{len(extra_infos)} extra infos")
-        calls = [{"data_source": data_sources[i], "solution_str": solution_strs[i],
-                  "ground_truth": ground_truths[i], "extra_info": extra_infos[i]} for i in range(n)]
-        if not calls:
+        if not n:
             return []
-        if self.is_async:
-            raw = asyncio.run(self._run_async(calls))
-        elif self.executor == "process":
-            raw = self._run_processes(calls)
+        if self.is_async or self.executor == "process":
+            calls = [{"data_source": data_sources[i], "solution_str": solution_strs[i],
+                      "ground_truth": ground_truths[i], "extra_info": extra_infos[i]} for i in range(n)]
+            raw = asyncio.run(self._run_async(calls)) if self.is_async else self._run_processes(calls)
         else:
-            raw = self._run_threads(calls)
-        return [self._finish(i, calls[i], r) for i, r in enumerate(raw)]
+            raw = self._run_threads((data_sources, solution_strs, ground_truths, extra_infos))
+        out = []
+        for i, r in enumerate(raw):
+            value = r[1]  # the common case, a finite number, built without `_finish` (positional: cheaper)
+            if r[0] == "ok" and (type(value) is float and math.isfinite(value) or type(value) is int):
+                out.append(Outcome(float(value), {}, None, False, r[2]))
+            else:
+                out.append(self._finish(i, data_sources[i], r))
+        return out
 
     def close(self) -> None:
         if self._threads is not None:
@@ -210,7 +231,7 @@ class RewardScorer:
             pass
 
     # ------------------------------------------------------------------ result handling
-    def _finish(self, i: int, call: dict[str, Any], raw: tuple[str, Any, float]) -> Outcome:
+    def _finish(self, i: int, data_source: Any, raw: tuple[str, Any, float]) -> Outcome:
         kind, value, seconds = raw
         if kind == "timeout":
             return Outcome(error=f"TimeoutError: took longer than reward.timeout_s={self.timeout_s:g}s",
@@ -219,7 +240,7 @@ class RewardScorer:
             return Outcome(error=value, seconds=seconds)
         if type(value) is float and math.isfinite(value) or type(value) is int:  # the common case, checked cheaply
             return Outcome(score=float(value), seconds=seconds)
-        where = f"reward function {self.label!r} on sample {i} (data_source={call['data_source']!r})"
+        where = f"reward function {self.label!r} on sample {i} (data_source={data_source!r})"
         try:
             score, extra = normalise_score(value, where)
         except RewardFnError as e:
@@ -227,43 +248,51 @@ class RewardScorer:
         return Outcome(score=score, extra=extra, seconds=seconds)
 
     # ------------------------------------------------------------------ threads
-    def _run_threads(self, calls: list[dict[str, Any]]) -> list[tuple[str, Any, float]]:
+    def _run_threads(self, columns: tuple[Sequence[Any], ...]) -> list[tuple[str, Any, float]]:
         if self._threads is None:
             self._threads = _ThreadPool(self.fn, self.concurrency)
-        batch = _Batch(len(calls))
-        # before the function's cost is known (its first call), or once it has timed out: one
-        # sample per run, so slow samples never queue behind each other on one thread; and never
-        # fewer runs than threads, so a function that turns slow still runs `concurrency` at a time
-        size = 1 if not self.sample_s else max(1, min(-(-len(calls) // self.concurrency),
-                                                      int(RUN_BUDGET_S / self.sample_s)))
-        for a in range(0, len(calls), size):
-            run = [(i, calls[i]) for i in range(a, min(a + size, len(calls)))]
-            batch.run_of.update((i, run) for i, _ in run)
-            self._threads.tasks.put((batch, run))
-        self._threads.fill()
+        pool = self._threads
+        batch = _Batch(columns)
+        # before the function's cost is known (its first call), or once it has timed out: every
+        # thread at once; else as many as the measured work needs (`RUN_BUDGET_S` each)
+        want = self.concurrency if not self.sample_s else -(-batch.n * self.sample_s // RUN_BUDGET_S)
+        pool.fill()
+        added = time.monotonic()
         with batch.cond:
-            while batch.remaining:
+            self._add_threads(batch, int(want))
+            while not batch.done():
                 now = time.monotonic()
                 if self.timeout_s is not None:
-                    for i, t0 in list(batch.started.items()):
-                        if now - t0 >= self.timeout_s:
+                    for i, t0 in batch.started.copy().items():
+                        if now - t0 >= self.timeout_s and batch.started.pop(i, None) is not None:
                             batch.results[i] = ("timeout", None, now - t0)
-                            del batch.started[i]
-                            batch.remaining -= 1
                             self.abandoned_threads += 1
-                            for j, kw in batch.rest_of_run(i):  # the stuck thread never starts these
-                                batch.run_of[j] = [(j, kw)]
-                                self._threads.tasks.put((batch, [(j, kw)]))
-                            self._threads.replace()  # the stuck thread leaves the pool; a fresh one joins
-                if not batch.remaining:
+                            batch.serving -= 1  # the stuck thread leaves the pool; a fresh one joins,
+                            pool.replace()
+                            self._add_threads(batch, 1)  # and serves this batch in its place
+                if batch.done():
                     break
+                waiting = bool(batch.untaken) and batch.serving < self.concurrency
+                if waiting and now - added >= RUN_BUDGET_S:  # samples waited untaken: every thread at once
+                    self._add_threads(batch, self.concurrency)
+                    added, waiting = now, False
                 wait = 0.5 if self.timeout_s is None else max(
-                    0.001, min((t0 + self.timeout_s - now for t0 in batch.started.values()), default=0.05))
+                    0.001, min((t0 + self.timeout_s - now for t0 in batch.started.copy().values()), default=0.05))
+                if waiting:
+                    wait = min(wait, max(added + RUN_BUDGET_S - now, 1e-4))
                 batch.cond.wait(timeout=min(wait, 0.5))
         timed = [r[2] for r in batch.results if r is not None and r[0] != "timeout"]
         timed_out = any(r is not None and r[0] == "timeout" for r in batch.results)
         self.sample_s = None if timed_out or not timed else sum(timed) / len(timed)
         return batch.results  # type: ignore[return-value]
+
+    def _add_threads(self, batch: _Batch, count: int) -> None:
+        """Up to `count` more threads on `batch`, at most `concurrency` serving it and one an untaken
+        sample (call under ``batch.cond``)."""
+        count = min(count, self.concurrency - batch.serving, len(batch.untaken))
+        for _ in range(max(0, count)):
+            batch.serving += 1
+            self._threads.tasks.put(batch)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ processes
     def _ensure_pool(self) -> Any:

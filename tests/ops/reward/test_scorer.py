@@ -1,5 +1,6 @@
 """RewardScorer: concurrent scoring, per-sample time limits from each sample's start, errors per sample."""
 
+import threading
 import time
 from pathlib import Path
 
@@ -34,13 +35,13 @@ def test_thread_timeout_counts_from_each_sample_start():
     assert s.abandoned_threads == 4
 
 
-def test_a_fast_function_s_samples_go_to_a_thread_in_runs_and_a_stall_in_a_run_costs_only_itself():
+def test_a_fast_function_s_call_goes_to_one_thread_and_a_stall_brings_in_the_others():
     s = RewardScorer(f"{FNS}:stall_on_odd", executor="thread", concurrency=4, timeout_s=0.3)
     evens = [str(2 * i) for i in range(64)]
     assert all(o.score == 1.0 for o in _score(s, evens)) and 0 < s.sample_s < 5e-4  # measured: fast
-    runs = []
+    handed = []  # each thread handed a call, by the name of the thread that took it
 
-    class Counted:  # the pool's queue, counting the samples of each run a thread takes
+    class Counted:  # the pool's queue, noting which thread takes each hand-out of a call
         def __init__(self, q):
             self.q = q
 
@@ -50,7 +51,7 @@ def test_a_fast_function_s_samples_go_to_a_thread_in_runs_and_a_stall_in_a_run_c
         def get(self):
             task = self.q.get()
             if task is not None:
-                runs.append(len(task[1]))
+                handed.append(threading.current_thread().name)
             return task
 
     from rlgraph.ops.reward.scorer import _ThreadPool
@@ -58,14 +59,26 @@ def test_a_fast_function_s_samples_go_to_a_thread_in_runs_and_a_stall_in_a_run_c
     s.close()
     s._threads = _ThreadPool(s.fn, s.concurrency)  # fresh threads, started on the counted queue
     s._threads.tasks = Counted(s._threads.tasks)
-    gts = ["0", "2", "1", "4", "6", "8"]  # runs of 2 (6 samples, 4 threads); the third stalls, before the fourth
+    assert all(o.score == 1.0 for o in _score(s, evens))
+    assert len(handed) == 1  # 64 samples of a fast function: one thread, no hand-off per sample
+    handed.clear()
+    gts = ["0", "2", "1", "4", "6", "8"]  # the third stalls; the three after it wait untaken
     t0 = time.monotonic()
     out = _score(s, gts)
     assert time.monotonic() - t0 < 2.0
     assert [o.timed_out for o in out] == [False, False, True, False, False, False]
-    assert [o.score for o in out if not o.timed_out] == [1.0] * 5  # the run's rest went to another thread
-    assert runs == [2, 2, 2, 1] and s.abandoned_threads == 1
-    assert s.sample_s is None  # it stalled: the next call hands samples out one at a time again
+    assert [o.score for o in out if not o.timed_out] == [1.0] * 5  # scored by the threads brought in
+    assert len(handed) == 4 and handed[0] not in handed[1:] and s.abandoned_threads == 1  # others took the rest
+    assert all(o.seconds < 0.3 for i, o in enumerate(out) if i != 2)
+    assert s.sample_s is None  # it stalled: the next call starts on every thread again
+
+
+def test_samples_are_scored_once_each_on_many_threads_with_the_results_in_order():
+    s = RewardScorer(f"{FNS}:slow", executor="thread", concurrency=8)
+    gts = [str(i) for i in range(40)]
+    out = _score(s, gts)
+    assert [o.score for o in out] == [1.0] * 40 and all(o.extra == {"slow": 1.0} for o in out)
+    assert s._threads.started == 8  # 40 x 50 ms on all eight threads (the cost was not known yet)
 
 
 def test_errors_are_per_sample():
