@@ -148,19 +148,28 @@ def to_call_value(col: ColumnPlan, values: Any) -> Any:
     if not rows:
         return torch.empty((0,), dtype=TORCH_DTYPES[col.dtype])
     if any(isinstance(d, str) for d in col.shape):
-        if all(r.dim() == 1 for r in rows):  # token rows: one copy into place, not one per row
-            return _pad_rows(rows).to(TORCH_DTYPES[col.dtype])
-        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(TORCH_DTYPES[col.dtype])
+        padded = _pad_rows(rows)
+        if padded is None:
+            padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+        return padded.to(TORCH_DTYPES[col.dtype])
     return torch.stack(rows).to(TORCH_DTYPES[col.dtype])
 
 
-def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """1-D rows right-padded with zeros to ``[len(rows), longest]`` (what ``pad_sequence`` gives)."""
-    lengths = torch.tensor([r.shape[0] for r in rows])
-    width = int(lengths.max())
-    flat = torch.cat(rows)
+def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """1-D rows right-padded with zeros to ``[len(rows), longest]`` (what ``pad_sequence`` gives),
+    in one copy into place, not one per row; None when the rows are not all 1-D. The joined rows
+    tell that without a look at each row: ``cat`` refuses 0-d rows and rows of different numbers of
+    dimensions, and gives 1-D only for 1-D rows."""
+    try:
+        flat = torch.cat(rows)
+    except RuntimeError:
+        return None
+    if flat.dim() != 1:
+        return None
+    lengths = [r.shape[0] for r in rows]  # not len(r): a tensor's __len__ is Python, ~1 us
+    width = max(lengths)
     out = flat.new_zeros((len(rows), width))
-    out[torch.arange(width) < lengths.unsqueeze(1)] = flat  # row-major: each row's tokens, in order
+    out[torch.arange(width) < torch.tensor(lengths).unsqueeze(1)] = flat  # row-major: each row's tokens, in order
     return out
 
 
@@ -178,8 +187,11 @@ def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> di
                 out[dim] = [int(values.shape[axis + 1])] * int(values.shape[0])
             elif isinstance(values, (list, tuple)):
                 try:
-                    out[dim] = [int((v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).shape[axis])
-                                for v in values]
+                    try:  # tensors (arrays): their shapes as they are
+                        out[dim] = [v.shape[axis] for v in values]
+                    except AttributeError:  # lists of numbers
+                        out[dim] = [int((v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).shape[axis])
+                                    for v in values]
                 except (IndexError, TypeError):
                     pass
     return out

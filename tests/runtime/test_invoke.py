@@ -256,3 +256,16 @@ def test_ragged_token_rows_are_padded_as_pad_sequence_pads_them(lengths):
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(1, 9, (n,), generator=g) for n in lengths]
     assert torch.equal(_pad_rows(rows), torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
+
+
+def test_rows_that_are_not_all_one_dimensional_are_left_to_pad_sequence():
+    from rlgraph.graph.plan import ColumnPlan
+    from rlgraph.runtime.invoke import _pad_rows, to_call_value
+
+    assert _pad_rows([torch.ones(2, 3), torch.ones(1, 3)]) is None  # 2-D rows: pad_sequence pads them
+    assert _pad_rows([torch.tensor(1.0), torch.tensor(2.0)]) is None  # 0-d rows
+    assert _pad_rows([torch.ones(2), torch.ones(1, 2)]) is None  # mixed
+    rows = [torch.ones(2, 3), torch.full((1, 3), 2.0)]
+    assert torch.equal(to_call_value(ColumnPlan(name="x", dtype="float32", shape=["T", 3], level="sample",
+                                                   kind="data", producer="p", consumers=[], stored=True), rows),
+                       torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
