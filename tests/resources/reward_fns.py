@@ -51,3 +51,13 @@ def crash_on_odd(data_source, solution_str, ground_truth, extra_info=None):
     if int(ground_truth) % 2:
         os.kill(os.getpid(), signal.SIGKILL)
     return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+CALLS: dict[str, int] = {}  # ground truth -> calls of `counted` (the scorer tests read it)
+
+
+def counted(data_source, solution_str, ground_truth, extra_info=None):
+    """Counts its calls by ground truth; sleeps 2 ms, and 0.5 s where the ground truth is 3 modulo 7."""
+    CALLS[ground_truth] = CALLS.get(ground_truth, 0) + 1
+    time.sleep(0.5 if int(ground_truth) % 7 == 3 else 0.002)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)

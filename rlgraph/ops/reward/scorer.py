@@ -154,15 +154,18 @@ class _ThreadPool:
             try:
                 res: tuple[str, Any] = ("ok", fn(data_source=sources[i], solution_str=solutions[i],
                                                  ground_truth=truths[i], extra_info=extras[i]))
-            except Exception as e:  # the user's function failed: recorded per sample
-                res = ("error", _describe(e))
+            except BaseException as e:  # noqa: BLE001 - the user's function failed (even sys.exit): per sample;
+                res = ("error", _describe(e))  # this thread serves on, so the call never waits on a dead one
             if started.pop(i, None) is None:  # given up on: its result is the caller's timeout
                 return False
             results[i] = (res[0], res[1], clock() - t0)
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    try:
+        text = str(e).strip().splitlines()
+    except Exception:  # noqa: BLE001 - an exception whose message cannot be made: its type says enough
+        text = []
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
@@ -257,34 +260,42 @@ class RewardScorer:
         # thread at once; else as many as the measured work needs (`RUN_BUDGET_S` each)
         want = self.concurrency if not self.sample_s else -(-batch.n * self.sample_s // RUN_BUDGET_S)
         pool.fill()
-        added = time.monotonic()
         with batch.cond:
-            self._add_threads(batch, int(want))
-            while not batch.done():
-                now = time.monotonic()
-                if self.timeout_s is not None:
-                    for i, t0 in batch.started.copy().items():
-                        if now - t0 >= self.timeout_s and batch.started.pop(i, None) is not None:
-                            batch.results[i] = ("timeout", None, now - t0)
-                            self.abandoned_threads += 1
-                            batch.serving -= 1  # the stuck thread leaves the pool; a fresh one joins,
-                            pool.replace()
-                            self._add_threads(batch, 1)  # and serves this batch in its place
-                if batch.done():
-                    break
-                waiting = bool(batch.untaken) and batch.serving < self.concurrency
-                if waiting and now - added >= RUN_BUDGET_S:  # samples waited untaken: every thread at once
-                    self._add_threads(batch, self.concurrency)
-                    added, waiting = now, False
-                wait = 0.5 if self.timeout_s is None else max(
-                    0.001, min((t0 + self.timeout_s - now for t0 in batch.started.copy().values()), default=0.05))
-                if waiting:
-                    wait = min(wait, max(added + RUN_BUDGET_S - now, 1e-4))
-                batch.cond.wait(timeout=min(wait, 0.5))
+            try:
+                self._wait(batch, pool, int(want))
+            finally:  # an interrupted wait (Ctrl-C): the threads take no more of this call's samples
+                batch.untaken.clear()
         timed = [r[2] for r in batch.results if r is not None and r[0] != "timeout"]
         timed_out = any(r is not None and r[0] == "timeout" for r in batch.results)
         self.sample_s = None if timed_out or not timed else sum(timed) / len(timed)
         return batch.results  # type: ignore[return-value]
+
+    def _wait(self, batch: _Batch, pool: _ThreadPool, want: int) -> None:
+        """Hand `batch` to `want` threads and wait until every sample has a result, giving up samples
+        past their time limit and bringing in more threads when samples wait untaken (under ``batch.cond``)."""
+        added = time.monotonic()
+        self._add_threads(batch, want)
+        while not batch.done():
+            now = time.monotonic()
+            if self.timeout_s is not None:
+                for i, t0 in batch.started.copy().items():
+                    if now - t0 >= self.timeout_s and batch.started.pop(i, None) is not None:
+                        batch.results[i] = ("timeout", None, now - t0)
+                        self.abandoned_threads += 1
+                        batch.serving -= 1  # the stuck thread leaves the pool; a fresh one joins,
+                        pool.replace()
+                        self._add_threads(batch, 1)  # and serves this batch in its place
+            if batch.done():
+                break
+            waiting = bool(batch.untaken) and batch.serving < self.concurrency
+            if waiting and now - added >= RUN_BUDGET_S:  # samples waited untaken: every thread at once
+                self._add_threads(batch, self.concurrency)
+                added, waiting = now, False
+            wait = 0.5 if self.timeout_s is None else max(
+                0.001, min((t0 + self.timeout_s - now for t0 in batch.started.copy().values()), default=0.05))
+            if waiting:
+                wait = min(wait, max(added + RUN_BUDGET_S - now, 1e-4))
+            batch.cond.wait(timeout=min(wait, 0.5))
 
     def _add_threads(self, batch: _Batch, count: int) -> None:
         """Up to `count` more threads on `batch`, at most `concurrency` serving it and one an untaken
