@@ -235,14 +235,13 @@ class RewardScorer:
 
     # ------------------------------------------------------------------ result handling
     def _finish(self, i: int, data_source: Any, raw: tuple[str, Any, float]) -> Outcome:
+        """A sample's outcome, but for a finite number, which `score` builds itself (the common case)."""
         kind, value, seconds = raw
         if kind == "timeout":
             return Outcome(error=f"TimeoutError: took longer than reward.timeout_s={self.timeout_s:g}s",
                            timed_out=True, seconds=seconds)
         if kind == "error":
             return Outcome(error=value, seconds=seconds)
-        if type(value) is float and math.isfinite(value) or type(value) is int:  # the common case, checked cheaply
-            return Outcome(score=float(value), seconds=seconds)
         where = f"reward function {self.label!r} on sample {i} (data_source={data_source!r})"
         try:
             score, extra = normalise_score(value, where)
