@@ -18,6 +18,7 @@ stop token (EOS or one of ``stop_token_ids``); its ``response_mask`` is 1 on exa
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from rlgraph.seeds import stable_seed
 
 # parse_token_ids is rlgraph.ops.names's (torch-free: the compiler checks the param with it)
 __all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids",
-           "cut_lengths", "left_pad"]
+           "cut_lengths", "left_pad", "trimmed_rows", "seed_device", "generation_config"]
 
 GEN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                "rollout_log_probs")
@@ -42,8 +43,8 @@ def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
     per column: a few concatenations and splits, no per-row allocations)."""
     if not prompts:
         return {k: [] for k in GEN_COLUMNS}
-    plen = [len(p) for p in prompts]
-    rlen = [len(r) for r in responses]
+    plen = [p.shape[0] for p in prompts]  # not len(): Tensor.__len__ is a Python call (~1 us a row)
+    rlen = [r.shape[0] for r in responses]
     slen = [a + b for a, b in zip(plen, rlen)]
     prompt_flat = torch.cat(list(prompts)).long()
     response_flat = torch.cat(list(responses)).long()
@@ -62,6 +63,16 @@ def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
         "position_ids": list(positions.split(slen)),
         "rollout_log_probs": list(lp.split(rlen)),
     }
+
+
+def trimmed_rows(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Each row of right-padded `padded` [rows, width] cut to its length: one masked copy, split
+    into views (a slice a row took 0.24 ms for 128 rows, this 0.09)."""
+    lengths = list(lengths)
+    if not lengths:
+        return []
+    keep = torch.arange(padded.shape[1]) < torch.tensor(lengths).unsqueeze(1)
+    return list(padded[keep].split(lengths))
 
 
 def groups_of(is_padding: Sequence[bool], n: int) -> tuple[list[int], list[list[int]]]:
@@ -96,11 +107,14 @@ def cut_lengths(tokens: torch.Tensor, stop: set[int]) -> list[int]:
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`prompts` as one left-padded batch (generation continues from the last column) and its
-    attention mask, both ``long`` [rows, longest prompt]."""
-    ids = torch.nn.utils.rnn.pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=pad,
-                                          padding_side="left")
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    mask = (torch.arange(ids.shape[1]) >= (ids.shape[1] - lengths).unsqueeze(1)).long()
+    attention mask, both ``long`` [rows, longest prompt]: the rows joined, then written into place
+    by one masked assignment (``pad_sequence``'s left padding took 0.3 ms for 128 rows)."""
+    lengths = torch.tensor([p.shape[0] for p in prompts], dtype=torch.long)
+    width = int(lengths.max()) if len(prompts) else 0
+    mask = (torch.arange(width) >= (width - lengths).unsqueeze(1)).long()
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    if width:
+        ids[mask.bool()] = torch.cat(list(prompts)).long()  # row-major: each row's tokens fill its last columns
     return ids, mask
 
 
@@ -129,10 +143,11 @@ def micro_batches(groups: Sequence[Sequence[int]], prompts: Sequence[torch.Tenso
     batch: list[Sequence[int]] = []
     rows = width = 0
     for g in groups:
-        w = max(width, max(len(prompts[i]) for i in g))
+        longest = max(prompts[i].shape[0] for i in g)
+        w = max(width, longest)
         if batch and (rows + len(g)) * (w + max_new_tokens) > max_tokens:
             out.append(batch)
-            batch, rows, w = [], 0, max(len(prompts[i]) for i in g)
+            batch, rows, w = [], 0, longest
         batch.append(g)
         rows += len(g)
         width = w
@@ -160,25 +175,48 @@ def hf_parts(model: Any, tokenizer: Any, prompts: Sequence[torch.Tensor], is_pad
         rows = [i for g in batch for i in g]
         ids, mask = left_pad([prompts[i] for i in rows], pad)
         width = ids.shape[1]
-        torch.manual_seed(stable_seed(seed, k))  # the same rows draw the same samples in any schedule
-        sample = temperature > 0
         device = next(model.parameters()).device  # the worker's GPU when it has one
-        out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens, do_sample=sample,
-            temperature=temperature if sample else None, top_p=top_p if sample else None,
-            top_k=(top_k or None) if sample else None, pad_token_id=pad, eos_token_id=sorted(stop),
-            return_dict_in_generate=True, output_scores=logprobs)
+        seed_device(device, stable_seed(seed, k))  # the same rows draw the same samples in any schedule
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=generation_config(
+            max_new_tokens, temperature, top_p, top_k, pad, tuple(sorted(stop)), logprobs))
         new = out.sequences[:, width:].cpu()
-        responses, lps = {}, {} if logprobs else None
         # each token's log-prob under the processed scores, one step at a time for all rows (a [rows, vocab]
         # log_softmax each), not one row at a time: 128 rows of 4 tokens took 1.9 ms, now 0.24 ms
         table = (torch.stack([torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t, None].to(s.device)).squeeze(-1)
                               for t, s in enumerate(out.scores)], dim=1).cpu() if logprobs else None)
-        for j, (i, length) in enumerate(zip(rows, cut_lengths(new, stop))):
-            responses[i] = new[j, :length]  # a view: response_columns copies the part's rows into its columns
-            if lps is not None:
-                lps[i] = table[j, :length]
+        lengths = cut_lengths(new, stop)  # views of one copy each: response_columns joins the part's rows
+        responses = dict(zip(rows, trimmed_rows(new, lengths)))
+        lps = dict(zip(rows, trimmed_rows(table, lengths))) if table is not None else None
         yield _part(rows, prompts, responses, is_padding, lps)
+
+
+def seed_device(device: torch.device, seed: int) -> None:
+    """Seed the generator that sampling on `device` draws from (and the CPU's). ``torch.manual_seed``
+    also seeds every accelerator type torch knows; where one is not started, each call queues the
+    seeding with a formatted stack (three a call: ~0.1 ms, and a queue that grows every step)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":
+        torch.manual_seed(seed)
+
+
+@functools.lru_cache(maxsize=64)
+def generation_config(max_new_tokens: int, temperature: float, top_p: float, top_k: int, pad: int,
+                      eos: tuple[int, ...], scores: bool) -> Any:
+    """The ``GenerationConfig`` of a micro-batch, made once per setting (transformers copies it per
+    call). Handed keyword arguments instead, ``generate`` checks the model's config for legacy
+    generation fields first: 0.6 ms a call. Every value is set, none left None, so that the
+    model's own ``generation_config`` fills only what rlgraph does not set, as it does for keyword
+    arguments: top-k off is 0, not None (a None would take the model's or transformers' 50)."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad, eos_token_id=list(eos),
+        return_dict_in_generate=True, output_scores=scores,
+        **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sample else {}))
 
 
 def vllm_parts(engine: Any, prompts: Sequence[torch.Tensor], is_padding: Sequence[bool], eos: int, *, n: int,

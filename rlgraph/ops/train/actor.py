@@ -30,7 +30,7 @@ from rlgraph.ops.algos import (agg_loss, decoupled_weights, gspo_policy_loss, kl
                                drop_unusable, rollout_probs_diff, top_k_distill_loss, truncated_is_weights,
                                usable_ids)
 from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
-from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
+from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, trimmed_rows, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
 from rlgraph.ops.train.engine.balance import balance_across_ranks
 from rlgraph.ops.train.engine.base import load_model_state, model_state, valid_counts
@@ -158,7 +158,7 @@ class ActorWorker(TrainerMixin):
         once (vLLM: between engine steps; hf: between micro-batches)."""
         self._sync(policy_weights)
         t0 = time.time()
-        prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
+        prompts = trimmed_rows(prompt_ids, ctx.lengths["prompt_len"])
         sampling = dict(n=ctx.group_size, seed=ctx.seed, temperature=temperature, top_p=top_p, top_k=top_k,
                         max_new_tokens=max_new_tokens, stop_token_ids=parse_token_ids(stop_token_ids),
                         logprobs="rollout_log_probs" in ctx.wanted)
@@ -221,7 +221,7 @@ class ActorWorker(TrainerMixin):
         limits = AgentLimits(max_turns=settings["max_turns"], max_response_tokens=settings["max_response_tokens"],
                              max_turn_tokens=max_new_tokens, max_obs_tokens=settings["max_obs_tokens"],
                              env_timeout_s=settings["env_timeout_s"])
-        prompts = [prompt_ids[i, :n_i] for i, n_i in enumerate(ctx.lengths["prompt_len"])]
+        prompts = trimmed_rows(prompt_ids, ctx.lengths["prompt_len"])
         metrics: dict[str, float] = {}
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs="rollout_log_probs" in ctx.wanted)
         if self.backend == "vllm":  # turns go to this rank's engine as token ids

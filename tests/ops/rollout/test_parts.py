@@ -1,5 +1,6 @@
 """How transformers generation splits a call's groups into micro-batches (`parts.micro_batches`)."""
 
+import pytest
 import torch
 
 from rlgraph.ops.rollout.parts import micro_batches
@@ -67,3 +68,53 @@ def test_hf_rollout_log_probs_are_each_token_s_log_softmax_of_the_processed_scor
         scores = torch.stack([s[j] for s in out.scores[:length]]).float()
         want = torch.log_softmax(scores, dim=-1).gather(-1, new[j, :length, None]).squeeze(-1)
         assert torch.equal(cols["rollout_log_probs"][j], want)
+
+
+def test_left_pad_matches_pad_sequence_left_padding():
+    from rlgraph.ops.rollout.parts import left_pad
+
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8], dtype=torch.int32), torch.tensor([1, 2, 3, 4, 9])]
+    ids, mask = left_pad(prompts, pad=0)
+    want = torch.nn.utils.rnn.pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=0,
+                                           padding_side="left")
+    assert ids.dtype == torch.long and torch.equal(ids, want)
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1]]
+
+
+def test_trimmed_rows_cuts_each_row_to_its_length():
+    from rlgraph.ops.rollout.parts import trimmed_rows
+
+    padded = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
+    assert [r.tolist() for r in trimmed_rows(padded, [2, 1, 3])] == [[1, 2], [3], [4, 5, 6]]
+    assert [r.tolist() for r in trimmed_rows(padded, [0, 0, 1])] == [[], [], [4]]
+    assert trimmed_rows(padded[:0], []) == []
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3), (0.0, 0)])
+def test_hf_parts_draw_what_generate_draws_with_keyword_arguments(tmp_path, temperature, top_k):
+    """hf_parts hands generate a cached GenerationConfig and seeds only the device it samples on; the
+    samples equal generate's with the same settings as keyword arguments after torch.manual_seed,
+    also where the model's own generation_config sets top_k and top_p (rlgraph's top_k=0 means none)."""
+    from rlgraph.ops import models
+    from rlgraph.ops.rollout.parts import cut_lengths, hf_parts, left_pad
+    from rlgraph.seeds import stable_seed
+
+    path = models.build_tiny_model(tmp_path / "m", hidden_size=32, num_heads=2, seed=1)
+    model, tok = models.load_causal_lm(path), models.load_tokenizer(path, padding_side="left")
+    model.generation_config.top_k, model.generation_config.top_p = 2, 0.5  # a checkpoint's defaults
+    prompts = [torch.tensor(tok.encode(t)) for t in ("1+2=", "1+2=", "34+5=", "34+5=")]
+    got = []
+    for _ in range(2):  # the second call reuses the cached config
+        ((_, cols),) = list(hf_parts(model, tok, prompts, [False] * 4, n=2, seed=7, micro_batch_size=0,
+                                     temperature=temperature, top_p=0.9, top_k=top_k, max_new_tokens=5))
+        got.append([r.tolist() for r in cols["responses"]])
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    sample = temperature > 0
+    torch.manual_seed(stable_seed(7, 0))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=sample,
+                         temperature=temperature if sample else None, top_p=0.9 if sample else None,
+                         top_k=(top_k or None) if sample else None, pad_token_id=tok.pad_token_id,
+                         eos_token_id=[tok.eos_token_id], return_dict_in_generate=True)
+    new = out.sequences[:, ids.shape[1]:]
+    want = [new[j, :n].tolist() for j, n in enumerate(cut_lengths(new, {tok.eos_token_id}))]
+    assert got[0] == want and got[1] == want
