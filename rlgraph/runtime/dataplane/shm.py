@@ -10,6 +10,11 @@ a put or a get is still one round trip to a storage unit, with a few dozen bytes
 - **What goes there.** The tensor columns of one put whose bytes reach `MIN_BYTES` (64 KiB) and
   whose rows are at least `MIN_ROW_BYTES` each (a row's descriptor is about 60 bytes), laid out one after another (64-byte aligned) in
   one segment. Objects and small columns travel as bytes, as before.
+- **The copy overlaps the request.** A put takes its room first (`Segments.place`), sends the
+  descriptors, and copies the bytes while the storage unit stores them (`Placed.write`, run by
+  `wire.Wire.put` between sending and waiting): 16 MB, 2.6 -> 2.2 ms a put. No reader learns of
+  the rows before the put returns, after both. A copy that fails fails the put; its segment stays
+  with its partition (its descriptors may be stored) until the partition is cleared.
 - **Reuse.** A fresh segment's pages are faulted in as it is written, which on a VM costs more
   than the copy (16 MB: ~10 ms against ~1 ms). So the writer keeps its segments mapped: when the
   driver clears a partition (`forget`, which the driver sends every worker after the partition's
@@ -58,8 +63,8 @@ import numpy as np
 from rlgraph.runtime.dataplane import cells
 from rlgraph.runtime.dataplane.base import DataPlaneError, _Column, _nbytes
 
-__all__ = ["Segments", "available", "populate", "MIN_BYTES", "MIN_ROW_BYTES", "KEEP_FREE", "KEEP_FREE_BYTES", "SHM_DIR",
-           "driver_prefix", "namespace", "prefix_for", "remove_all", "sweep"]
+__all__ = ["Segments", "Placed", "available", "populate", "MIN_BYTES", "MIN_ROW_BYTES", "KEEP_FREE", "KEEP_FREE_BYTES",
+           "SHM_DIR", "driver_prefix", "namespace", "prefix_for", "remove_all", "sweep"]
 
 SHM_DIR = "/dev/shm"
 MIN_BYTES = 64 * 1024  # a put's tensor columns of at least this many bytes go to shared memory
@@ -105,6 +110,26 @@ class _Segment:
     fd: int  # the writer's own descriptor of the file: tells whether a reader still holds it (`_held`)
 
 
+class Placed:
+    """A put's large columns with their room in a segment (`Segments.place`): `cells` to send,
+    `write` to copy their bytes in. Readers learn of the rows only once the put has returned, after
+    both. A copy that fails fails the put; its segment stays with the partition until the partition
+    is cleared (its cells may be stored already: no later put writes under them)."""
+
+    def __init__(self, segment: _Segment, columns: dict[str, _Column], offsets: dict[str, int],
+                 cells_: dict[str, list[bytes]]) -> None:
+        self._segment, self._columns, self._offsets = segment, columns, offsets
+        self.cells = cells_
+
+    def write(self) -> None:
+        buffer = self._segment.buffer
+        # an export of the mapping while it is written: `close` cannot unmap it under the copy
+        # (torch.frombuffer holds none), it leaves the mapping to the garbage collector instead
+        with memoryview(buffer):
+            for name, col in self._columns.items():
+                cells.write(col, buffer, self._offsets[name])
+
+
 def _capacity(nbytes: int) -> int:
     """`nbytes` rounded up to 1/8 of its power of two (<= 12.5% more), so that a step's slightly
     larger put still fits the segment of the last one."""
@@ -131,30 +156,36 @@ class Segments:
     def encode(self, partition: str, columns: dict[str, _Column]) -> dict[str, list[bytes]]:
         """Write the large tensor columns of one put into a segment; their cells (descriptors) by
         column. {} when none is large enough or no segment could be made (they go as bytes)."""
+        placed = self.place(partition, columns)
+        if placed is None:
+            return {}
+        placed.write()
+        return placed.cells
+
+    def place(self, partition: str, columns: dict[str, _Column]) -> "Placed | None":
+        """Room in a segment for the large tensor columns of one put, and their cells, before a byte
+        is written: the put sends the cells to the storage unit and copies the bytes (`Placed.write`)
+        while the unit stores them. None when no column is large enough or no segment could be made."""
         sizes = {name: _nbytes(col.value) for name, col in columns.items() if col.kind in ("dense", "ragged")}
         big = {name: columns[name] for name, n in sizes.items()
                if n >= max(MIN_BYTES, MIN_ROW_BYTES * len(columns[name].value))}
         if not big:
-            return {}
+            return None
         offsets, total = {}, 0
         for name in big:
             offsets[name] = total
             total += -(-sizes[name] // ALIGN) * ALIGN
         segment = self._take(total)
         if segment is None:
-            return {}
+            return None
         try:
-            # an export of the mapping while it is written: `close` cannot unmap it under the copy
-            # (torch.frombuffer holds none), it leaves the mapping to the garbage collector instead
-            with memoryview(segment.buffer):
-                for name, col in big.items():
-                    cells.write(col, segment.buffer, offsets[name])
+            cells_ = {name: cells.shared(col, segment.name, offsets[name]) for name, col in big.items()}
         except BaseException:
             self._give_back(segment)
             raise
-        with self._lock:
+        with self._lock:  # the partition's clear frees it (`forget`), written or not
             self._busy.setdefault(partition, []).append(segment)
-        return {name: cells.shared(col, segment.name, offsets[name]) for name, col in big.items()}
+        return Placed(segment, big, offsets, cells_)
 
     def _take(self, nbytes: int) -> _Segment | None:
         with self._lock:

@@ -224,19 +224,20 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         await super().clear_data(metadata)
 
     def put_cells(self, metadata: "BatchMeta | _Rows", cells: dict[str, list[bytes]], timeout_s: float, what: str,
-                  watch: Callable[[], list[str]] | None = None) -> None:
+                  watch: Callable[[], list[str]] | None = None, during: Callable[[], None] | None = None) -> None:
         """Store encoded cells (`rlgraph.runtime.dataplane.cells`), each row on its home unit,
         from the calling thread (`wire`).
 
         TQ's own ``put_data`` takes a TensorDict and then tells the controller which fields each
         row now has (a round trip per put). rlgraph does not read the controller's production
         status (its scheduler knows what is ready), and a clear takes every row of the partition
-        from the controller's key table whatever was written, so only the units are sent to."""
+        from the controller's key table whatever was written, so only the units are sent to.
+        `during` runs while the units store the cells (`Wire.put`)."""
         self._learn(metadata)
         routing = self._group_by_hash(metadata.global_indexes)
         self._wire().put({unit: (group.global_indexes, cells if len(routing) == 1 else
                                  {f: [v[p] for p in group.batch_positions] for f, v in cells.items()})
-                          for unit, group in routing.items()}, timeout_s, what, watch)
+                          for unit, group in routing.items()}, timeout_s, what, watch, during)
 
     def get_cells(self, metadata: "BatchMeta | _Rows", fields: list[str], timeout_s: float, what: str,
                   watch: Callable[[], list[str]] | None = None) -> dict[str, list[Any]]:
@@ -443,10 +444,14 @@ class _TQClient(DataPlaneClient):
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
-        shared = self._segments.encode(partition, columns) if self._segments is not None else {}
+        # the large columns' room in shared memory first: their cells go to the storage unit, and
+        # their bytes are copied in while it stores them (no reader learns of the rows before the put returns)
+        placed = self._segments.place(partition, columns) if self._segments is not None else None
+        shared = placed.cells if placed is not None else {}
         encoded = {name: shared[name] if name in shared else cells.encode(col) for name, col in columns.items()}
         self._manager.put_cells(meta, encoded, self._op_timeout(sum(sum(map(len, column)) for column in encoded.values())),
-                                f"put columns {sorted(columns)} to partition {partition!r}", self._watch)
+                                f"put columns {sorted(columns)} to partition {partition!r}", self._watch,
+                                placed.write if placed is not None else None)
         if self._segments is not None:  # one node: every byte is local; a shared column's are its rows'
             count_locality(sum(_nbytes(columns[n].value) if n in shared else sum(map(len, c))
                                for n, c in encoded.items()), 0)

@@ -84,11 +84,12 @@ class Wire:
         self._pool = ZMQSocketPool(self._ctx, self._id, "put_get_socket")
 
     def put(self, requests: Mapping[str, tuple[list[int], dict[str, list[Any]]]], timeout_s: float, what: str,
-            watch: Callable[[], list[str]] | None = None) -> None:
-        """Store cells: per unit id, (global indexes, {field: cells in that order})."""
+            watch: Callable[[], list[str]] | None = None, during: Callable[[], None] | None = None) -> None:
+        """Store cells: per unit id, (global indexes, {field: cells in that order}). `during` runs once
+        the requests are sent, while the units store them (a put's copy into shared memory)."""
         messages = {unit: self._message(ZMQRequestType.PUT_DATA, unit, {
             "global_indexes": indexes, "data": data, "data_parser": None}) for unit, (indexes, data) in requests.items()}
-        for unit, answer in self.exchange(messages, timeout_s, what, watch).items():
+        for unit, answer in self.exchange(messages, timeout_s, what, watch, during).items():
             if answer.request_type != ZMQRequestType.PUT_DATA_RESPONSE:
                 raise DataPlaneError(f"storage unit {unit} refused to {what}: {answer.body.get('message', answer.body)}")
 
@@ -108,15 +109,18 @@ class Wire:
         return ZMQMessage.create(request_type=kind, sender_id=self._id, receiver_id=unit, body=body)
 
     def exchange(self, messages: Mapping[str, ZMQMessage], timeout_s: float, what: str,
-                 watch: Callable[[], list[str]] | None = None) -> dict[str, ZMQMessage]:
-        """Send each unit its message, then wait for every answer (by unit id)."""
+                 watch: Callable[[], list[str]] | None = None,
+                 during: Callable[[], None] | None = None) -> dict[str, ZMQMessage]:
+        """Send each unit its message, run `during`, then wait for every answer (by unit id). If
+        `during` raises, the answers are not waited for (their sockets are closed, never reused)."""
         try:
-            return self._exchange(messages, timeout_s, what, watch)
+            return self._exchange(messages, timeout_s, what, watch, during)
         except zmq.ZMQError as e:  # the transport, not the data: say so (a get would blame a missing column)
             raise DataPlaneError(f"the connection to TransferQueue's storage failed while trying to {what}: {e}") from e
 
     def _exchange(self, messages: Mapping[str, ZMQMessage], timeout_s: float, what: str,
-                  watch: Callable[[], list[str]] | None) -> dict[str, ZMQMessage]:
+                  watch: Callable[[], list[str]] | None,
+                  during: Callable[[], None] | None = None) -> dict[str, ZMQMessage]:
         deadline = time.monotonic() + timeout_s
         with contextlib.ExitStack() as leases:
             sockets = {}
@@ -124,6 +128,8 @@ class Wire:
                 sock = leases.enter_context(self._pool.lease(self._units[unit]))
                 sock.send_multipart(message.serialize(), copy=False)
                 sockets[sock] = unit
+            if during is not None:
+                during()
             poller = zmq.Poller()
             for sock in sockets:
                 poller.register(sock, zmq.POLLIN)

@@ -292,3 +292,26 @@ def test_large_columns_written_on_two_threads_come_back_exactly(segments, monkey
         assert torch.get_num_threads() == threads  # the copy's one thread is given back
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_placed_put_s_cells_come_before_its_bytes_and_a_failed_copy_frees_its_segment(segments, monkeypatch):
+    """`place` gives a put's cells before a byte is written (the TQ plane sends them, then copies
+    while the storage unit stores them); the rows read right once `write` has run. A copy that
+    fails raises; its segment stays with its partition (its cells may be stored) until that is cleared."""
+    big = _normalize("x", torch.randn(32, 1024), 32)
+    placed = segments.place("p", {"x": big})
+    assert placed is not None and set(placed.cells) == {"x"} and segments.in_use() == 1
+    placed.write()
+    _same(cells.decode(placed.cells["x"], segments), big.value)
+
+    def broken(*_, **__):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cells, "write", broken)
+    failed = segments.place("q", {"x": big})
+    with pytest.raises(RuntimeError, match="copy failed"):
+        failed.write()
+    assert segments.in_use() == 2 and segments.free() == 0  # no later put writes under q's cells
+    segments.forget("q")
+    assert segments.in_use() == 1 and segments.free() == 1
+    assert segments.place("q", {"y": _normalize("y", torch.ones(2, 2), 2)}) is None  # nothing large: no room taken

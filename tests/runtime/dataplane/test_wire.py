@@ -139,3 +139,32 @@ def test_a_broken_connection_is_named_as_such(units, monkeypatch):
     finally:
         monkeypatch.undo()
         wire.close()
+
+
+def test_during_runs_while_the_unit_works_and_its_error_leaves_no_answer_behind(units):
+    """A put's copy into shared memory (`during`) runs after its requests are sent, before the wait:
+    a unit that takes 0.3 s and a `during` of 0.3 s take about 0.3 s together. If `during` raises, its
+    error is the call's and the answer still on its way is never read as the next request's."""
+    unit = units("unit_a", delay=0.3)
+    wire = _wire(unit)
+    seen = []
+    try:
+        t0 = time.monotonic()
+        got = wire.exchange({"unit_a": ZMQMessage.create(request_type=ZMQRequestType.GET_DATA, sender_id="x",
+                                                         receiver_id="unit_a", body={"global_indexes": [3]})},
+                            timeout_s=10, what="get x", during=lambda: seen.append(time.sleep(0.3)))
+        took = time.monotonic() - t0
+        assert seen and got["unit_a"].body["data"]["x"][1] == bytes([3])
+        assert took < 0.55, f"the unit waited for `during` ({took:.2f}s)"
+
+        def fail() -> None:
+            raise OSError("copy failed")
+
+        with pytest.raises(OSError, match="copy failed"):
+            wire.exchange({"unit_a": ZMQMessage.create(request_type=ZMQRequestType.GET_DATA, sender_id="x",
+                                                       receiver_id="unit_a", body={"global_indexes": [4]})},
+                          timeout_s=10, what="get x", during=fail)
+        again = wire.get({"unit_a": ([5], ["x"])}, timeout_s=10, what="get x")
+        assert again["unit_a"]["x"][1] == bytes([5])
+    finally:
+        wire.close()
