@@ -42,6 +42,7 @@ WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
 SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
 PG_REMOVE_S = 5.0  # closing waits this long for Ray to remove the placement groups
 GUEST_STOP_S = 5.0  # closing waits this long for the data plane to let go of a hosted source
+FORGET_BATCH = 4  # cleared partitions a worker is told of with its next call; at this many, on their own
 log = logging.getLogger("rlgraph.runtime")
 
 
@@ -88,6 +89,8 @@ class Fleet:
         self._read_ahead: dict[str, tuple[str, ...]] | None = None  # op -> columns (`read_ahead`), made once
         self._ahead_pending: dict[str, list[tuple[str, str, tuple[int, ...], tuple[str, ...]]]] = {}  # group -> reads
         self._ahead_refs: list[Any] = []  # the read-aheads sent whose results were not read yet
+        # (group, rank), or SOURCE -> partitions cleared since its last call: sent with its next (`clear`)
+        self._forget_pending: dict[Any, list[str]] = {}
         self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
         self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
@@ -254,6 +257,7 @@ class Fleet:
         from rlgraph.runtime.dataplane.guest import Hosted
         from rlgraph.runtime.source import SourceWorker
 
+        self._forget_pending.pop(SOURCE, None)  # a new source knows nothing of them
         host = self.plane.guest_host() if self.plane is not None and self.dataplane_settings.host_source else None
         if host is not None:  # one process less to start (rlgraph.runtime.dataplane.guest)
             import uuid
@@ -320,8 +324,9 @@ class Fleet:
         names = sorted(set(groups))
         check_lost_nodes(self.plan, self.nodes)  # NodeLost when the nodes left cannot hold the plan
         for g in names:
-            for w in self.workers[g]:
+            for r, w in enumerate(self.workers[g]):
                 ray.kill(w, no_restart=True)
+                self._forget_pending.pop((g, r), None)  # a new process keeps nothing of them
             self._create_group(g, self.plane.handle())
         if names:
             self._setup_groups(names)
@@ -447,6 +452,9 @@ class Fleet:
         # cleared and its slots reused: a recovery restores every worker (which waits for their calls)
         # before it creates a partition again
         hook["addresses"] = self.plane.addresses(partition, rows)
+        forget = self._forget_later((call.group, call.rank))
+        if forget:
+            hook["forget"] = forget
         if call.rank == 0 and call.group in self._ahead_pending:
             self._send_read_aheads(call.group, c.op, partition)
         if self.plan.op(c.op).streams:
@@ -528,17 +536,32 @@ class Fleet:
 
     def clear(self, partition: str) -> None:
         """Clear `partition` from the data plane, and have every worker drop what it kept of it in
-        memory (`rlgraph.runtime.dataplane.local`; queued behind the calls it is running)."""
+        memory (`rlgraph.runtime.dataplane.local`), and the source what it knows of its rows. That
+        is sent with each one's next call (`submit`, `produce`): Ray runs an actor's calls in
+        order, so a call of its own would run between the worker's two calls, on the step's path.
+        One that gets no call while `FORGET_BATCH` partitions wait is sent them on their own."""
         for pending in self._ahead_pending.values():  # reads planned for it that were not sent yet
             pending[:] = [p for p in pending if p[1] != partition]
         try:
             self.plane.clear(partition)
         finally:
-            for w in [w for ws in self.workers.values() for w in ws] + ([self.source] if self.source else []):
-                try:
-                    w.forget.remote(partition)
-                except Exception:  # a dead actor: its memory went with it
-                    pass
+            owners = [((g, r), w) for g, ws in self.workers.items() for r, w in enumerate(ws)]
+            for key, w in owners + ([(SOURCE, self.source)] if self.source else []):
+                pending = self._forget_pending.setdefault(key, [])
+                pending.append(partition)
+                if len(pending) >= FORGET_BATCH:
+                    self._forget_now(key, w)
+
+    def _forget_now(self, key: Any, worker: Any) -> None:
+        for partition in self._forget_pending.pop(key, []):
+            try:
+                worker.forget.remote(partition)
+            except Exception:  # a dead actor: its memory went with it
+                pass
+
+    def _forget_later(self, key: Any) -> list[str]:
+        """The partitions to send with `key`'s next call (`clear`)."""
+        return self._forget_pending.pop(key, [])
 
     def read_ahead(self, partition: str, sched: StepScheduler, ops: set[str] | None) -> None:
         """Plan reads ahead for the step just admitted (`sched`; `ops`: its ops, None: all): the
@@ -585,7 +608,7 @@ class Fleet:
         """Have the source write a step's first columns; returns what to wait on (`result` gives the
         rows' group ids, padding tags and the source's metrics of the batch)."""
         where = self.plane.addresses(partition, range(rows))
-        return self.source.produce.remote(partition, rows, uid_start, validation, where)
+        return self.source.produce.remote(partition, rows, uid_start, validation, where, self._forget_later(SOURCE))
 
     def assemble(self, partition: str, picks: list[tuple[str, list[int]]], columns: list[str], padding: int,
                  pad_uid_start: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -130,10 +130,13 @@ class SourceWorker:
             self.client.forget(partition)
 
     def produce(self, partition: str, padded_rows: int, uid_start: int, validation: bool = False,
-                addresses: Any = None) -> tuple[list[int], list[bool], dict[str, float]]:
+                addresses: Any = None, forget: Sequence[str] = ()) -> tuple[list[int], list[bool], dict[str, float]]:
         """Write a step's first columns; returns the rows' group ids, padding tags and the source's
         metrics of this batch (``batch_metrics()``, if it has one). `addresses`: where the
-        partition's rows are in the data plane (`DataPlane.addresses`)."""
+        partition's rows are in the data plane (`DataPlane.addresses`); `forget`: partitions cleared
+        since the last call (`Fleet.clear`)."""
+        for cleared in forget:
+            self.forget(cleared)
         if addresses is not None:
             self.client.learn(partition, range(padded_rows), addresses)
         size = int(self.plan.batch.batch_size)

@@ -288,7 +288,8 @@ class GroupWorker:
     def run_chunk(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
                   rows: Sequence[int], uids: Sequence[int], is_padding: Sequence[bool],
                   batch_inputs: dict[str, Any] | None = None, salt: int = 0, addresses: Any = None,
-                  fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = ()) -> CallResult:
+                  fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = (), forget: Sequence[str] = ()
+                  ) -> CallResult:
         """Run `op_name` on `rows`: get its inputs, call the body, put its outputs. `chunks`: the
         (chunk index, number of rows) of each chunk the call holds, in the order of `rows`; the
         inputs are read with one get and the outputs written with one put, and the body runs once
@@ -296,7 +297,10 @@ class GroupWorker:
         vectorised op's body runs once on them all: it computes each chunk from its own rows).
         `addresses`: where the rows are in the data plane (`DataPlane.addresses`). `fused`: the ops
         fused into this call (`rlgraph.graph.fuse`), each with its chunks on the same rows: they run
-        after it, in order, and their results come in `CallResult.fused`."""
+        after it, in order, and their results come in `CallResult.fused`. `forget`: partitions the
+        driver cleared since this worker's last call (`forget`, sent with the call: a call of its
+        own would run between two of this worker's calls, on the step's critical path)."""
+        self._forget_all(forget)
         rows = tuple(rows)
         self._learn(partition, rows, addresses)
         self._begin_call(op_name, fused)
@@ -388,11 +392,12 @@ class GroupWorker:
                          uids: Sequence[int], is_padding: Sequence[bool],
                          batch_inputs: dict[str, Any] | None = None,
                          salt: int = 0, addresses: Any = None,
-                         fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = ()
+                         fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = (), forget: Sequence[str] = ()
                          ) -> Iterator[PartResult | CallResult]:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult` (after the
         ops fused into the call ran on all its rows)."""
+        self._forget_all(forget)
         try:
             yield from self._stream(op_name, step, partition, chunk, rows, uids, is_padding, batch_inputs, salt,
                                     addresses, fused)
@@ -546,8 +551,13 @@ class GroupWorker:
         if shared:
             self.client.put(partition, rows, shared)
 
+    def _forget_all(self, partitions: Sequence[str]) -> None:
+        for partition in partitions:
+            self.forget(partition)
+
     def forget(self, partition: str) -> None:
-        """The driver cleared `partition`: drop what this worker kept of it."""
+        """The driver cleared `partition`: drop what this worker kept of it (sent with this worker's
+        next call, `Fleet.clear`, or on its own once a few wait)."""
         self.local.forget(partition)
         with self._ahead_lock:
             self._ahead.pop(partition, None)

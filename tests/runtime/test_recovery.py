@@ -99,6 +99,7 @@ def _fleet(workers, source=None, timeout_s=30.0):
     fleet.workers, fleet.source, fleet.timeout_s = {"g": workers}, source, timeout_s
     fleet.plane = SimpleNamespace(clear=cleared.append)
     fleet._ahead_pending = {}  # reads ahead planned for workers (clear drops a cleared partition's)
+    fleet._forget_pending = {}  # cleared partitions each worker is told of with its next call
     return fleet, cleared
 
 
@@ -130,3 +131,47 @@ def test_a_failed_step_s_partitions_are_cleared_after_its_other_calls_have_ended
     finally:
         for w in (a, b):
             ray.kill(w)
+
+
+class _Recorder:
+    """A stand-in actor handle: records each method's .remote(...) call."""
+
+    def __init__(self, log: list) -> None:
+        self._log = log
+
+    def __getattr__(self, method: str):
+        log = self._log
+        remote = lambda *args, **kwargs: log.append((method, args, kwargs))  # noqa: E731
+        return SimpleNamespace(remote=remote, options=lambda **_: SimpleNamespace(remote=remote))
+
+
+def test_a_cleared_partition_is_forgotten_with_each_worker_s_next_call_or_on_its_own_past_a_few():
+    """Fleet.clear tells each worker (and the source) to drop what it kept of the partition with its
+    next call (a call of its own would run between the worker's calls, on the step's path); a worker
+    with no call while FORGET_BATCH partitions wait is sent them on their own."""
+    from rlgraph.runtime.fleet import FORGET_BATCH, Fleet
+
+    calls_a, calls_b, calls_src = [], [], []
+    fleet = Fleet.__new__(Fleet)
+    fleet.workers, fleet.source = {"g": [_Recorder(calls_a), _Recorder(calls_b)]}, _Recorder(calls_src)
+    fleet.plane = SimpleNamespace(clear=lambda p: None, addresses=lambda partition, rows: None)
+    fleet.plan = SimpleNamespace(op=lambda name: SimpleNamespace(streams=False))
+    fleet._ahead_pending, fleet._forget_pending = {}, {}
+    fleet.clear("train_0")
+    fleet.clear("train_1")
+    assert calls_a == calls_b == calls_src == []  # nothing sent on its own
+    call = SimpleNamespace(chunk=SimpleNamespace(op="gen", index=0), group="g", rank=0, fused=(), rows=[0, 1],
+                           spans=[(0, 2)])
+    fleet.submit(call, step=2, partition="train_2", uids=[10, 11], tags=(False, False), batch_inputs={}, fault=None)
+    (method, _, kwargs), = calls_a
+    assert method == "run_chunk" and kwargs["forget"] == ["train_0", "train_1"]
+    fleet.submit(call, step=3, partition="train_2", uids=[10, 11], tags=(False, False), batch_inputs={}, fault=None)
+    assert "forget" not in calls_a[1][2]  # told once
+    fleet.produce("train_3", rows=2, uid_start=0, validation=False)
+    assert calls_src[0][0] == "produce" and calls_src[0][1][-1] == ["train_0", "train_1"]
+    assert FORGET_BATCH == 4
+    for k in range(2, 6):  # rank 1 got no call: at 4 waiting, they are sent on their own (rank 0 too, from train_2)
+        fleet.clear(f"train_{k}")
+    assert [args[0] for method, args, _ in calls_b if method == "forget"] == [f"train_{k}" for k in range(4)]
+    assert [args[0] for method, args, _ in calls_a if method == "forget"] == [f"train_{k}" for k in range(2, 6)]
+    assert fleet._forget_pending[("g", 1)] == ["train_4", "train_5"] and ("g", 0) not in fleet._forget_pending
