@@ -91,6 +91,7 @@ class Fleet:
         self._ahead_refs: list[Any] = []  # the read-aheads sent whose results were not read yet
         # (group, rank), or SOURCE -> partitions cleared since its last call: sent with its next (`clear`)
         self._forget_pending: dict[Any, list[str]] = {}
+        self._parts_readers: dict[str, bool] = {}  # streaming op -> whether its parts are sent as they come
         self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
         self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
@@ -455,13 +456,33 @@ class Fleet:
         forget = self._forget_later((call.group, call.rank))
         if forget:
             hook["forget"] = forget
-        if call.rank == 0 and call.group in self._ahead_pending:
-            self._send_read_aheads(call.group, c.op, partition)
         if self.plan.op(c.op).streams:
-            return worker.run_chunk_stream.options(num_returns="streaming").remote(
-                c.op, step, partition, c.index, rows, row_uids, list(tags), dict(batch_inputs), salt, **hook)
-        return worker.run_chunk.remote(c.op, step, partition, call.spans, rows, row_uids, list(tags),
-                                       dict(batch_inputs), salt, **hook)
+            args = (c.op, step, partition, c.index, rows, row_uids, list(tags), dict(batch_inputs), salt)
+            if not self._parts_read_elsewhere(c.op):
+                ref = worker.run_chunk_whole.remote(*args, **hook)
+            else:
+                ref = worker.run_chunk_stream.options(num_returns="streaming").remote(*args, **hook)
+        else:
+            ref = worker.run_chunk.remote(c.op, step, partition, call.spans, rows, row_uids, list(tags),
+                                          dict(batch_inputs), salt, **hook)
+        if call.rank == 0 and call.group in self._ahead_pending:  # after the call: its start is not held up by them
+            self._send_read_aheads(call.group, c.op, partition)
+        return ref
+
+    def _parts_read_elsewhere(self, op: str) -> bool:
+        """Whether another op may start on a streaming `op`'s rows while its call still runs: an op
+        outside its fused chain, on another group, reads what it writes; or its group has several
+        ranks (one may be free while another generates). Else its calls return once, whole
+        (`GroupWorker.run_chunk_whole`): the ops of its own group that read it (the update) wait for
+        this worker's call to end anyway."""
+        known = self._parts_readers.get(op)
+        if known is None:
+            o = self.plan.op(op)
+            writes = set(o.outputs)
+            known = self._parts_readers[op] = self.plan.group(o.group).dp > 1 or any(
+                r.group != o.group and r.fused_into != op and writes.intersection(r.inputs)
+                for r in self.plan.ops if r.name != op)
+        return known
 
     def wait(self, waitables: list[Any], what: Any = "op calls and weight syncs") -> list[Any]:
         """Those of `waitables` with a result ready (a finished call, a streaming call's next part),

@@ -404,6 +404,21 @@ class GroupWorker:
         finally:  # failed, or closed early: the call's reads go with it
             self._end_call()
 
+    def run_chunk_whole(self, *args: Any, **kwargs: Any) -> CallResult:
+        """`run_chunk_stream` (same arguments) with one result: for a streaming op whose parts no
+        op elsewhere can start on before the call ends (`Fleet.submit`); its parts' summaries join
+        the call's. A Ray streaming call reports each part to the driver (on this machine a call of
+        two parts took 1.6 ms where a plain call takes 0.9), which then buys nothing."""
+        summaries: dict[str, dict[int, float]] = {}
+        for item in self.run_chunk_stream(*args, **kwargs):
+            for column, sums in item.summaries.items():
+                summaries.setdefault(column, {}).update(sums)
+            if isinstance(item, CallResult):
+                item.summaries = summaries
+                return item
+        raise InvariantError(f"a streaming call of {args[0] if args else kwargs.get('op_name')!r} ended without its "
+                             f"result")
+
     def _stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                 uids: Sequence[int], is_padding: Sequence[bool], batch_inputs: dict[str, Any] | None, salt: int,
                 addresses: Any, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]]

@@ -156,7 +156,7 @@ def test_a_cleared_partition_is_forgotten_with_each_worker_s_next_call_or_on_its
     fleet.workers, fleet.source = {"g": [_Recorder(calls_a), _Recorder(calls_b)]}, _Recorder(calls_src)
     fleet.plane = SimpleNamespace(clear=lambda p: None, addresses=lambda partition, rows: None)
     fleet.plan = SimpleNamespace(op=lambda name: SimpleNamespace(streams=False))
-    fleet._ahead_pending, fleet._forget_pending = {}, {}
+    fleet._ahead_pending, fleet._forget_pending, fleet._parts_readers = {}, {}, {}
     fleet.clear("train_0")
     fleet.clear("train_1")
     assert calls_a == calls_b == calls_src == []  # nothing sent on its own

@@ -1,6 +1,7 @@
 """Streaming op bodies on real Ray and TransferQueue: a generator yields its groups as they finish,
 each part is put and reported at once, and ops downstream start on it while the call still runs."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -146,3 +147,35 @@ def test_a_failure_inside_a_fused_op_runs_the_fused_call_again(tq_plane, tmp_pat
     assert [r["faults/restarts"] for r in dead] == [0, 1]  # its group alone, no restore
     assert _stable(dead) == [{**r, "faults/retries": dead[i]["faults/retries"],
                               "faults/restarts": dead[i]["faults/restarts"]} for i, r in enumerate(_stable(clean))]
+
+
+def test_a_streaming_call_whose_parts_no_other_group_reads_returns_once_with_the_same_results(tq_plane, tmp_path,
+                                                                                              monkeypatch):
+    """With score and adv on the actor too, nothing can start on gen's parts before its call ends
+    (its group's ops wait for the call, and it has one rank): Fleet calls run_chunk_whole, one Ray
+    result instead of a report per part; the parts' summaries come with the call's result, and every
+    record is the one the same layout gives with its parts streamed."""
+    from rlgraph.graph.dsl import op_spec
+    from rlgraph.runtime.fleet import Fleet
+
+    pipeline, ref = load_pipeline(PIPELINE)
+    local = pipeline.with_ops(*(op_spec(o).with_(group="actor") for o in pipeline.ops if op_spec(o).name in
+                                ("score", "adv"))).with_groups(drop=["reward"])
+    local = dataclasses.replace(local, summaries={**local.summaries, "mask": "length"})  # a summary of gen's parts
+    whole = compile(local, [], pipeline_ref=ref)
+    fleet = Fleet.__new__(Fleet)
+    for plan, elsewhere in ((whole, False), (_plan(), True),  # score, on the reward group, starts on gen's parts
+                            (compile(local, ["groups.actor.dp=2"], pipeline_ref=ref), True)):  # a rank may be free
+        fleet.plan, fleet._parts_readers = plan, {}
+        assert fleet._parts_read_elsewhere("gen") is elsewhere
+    once = run_plan(whole, RunOptions(out_dir=tmp_path / "whole", steps=2, timeout_s=120), plane=tq_plane)
+    calls = []
+    real = Fleet.submit
+    monkeypatch.setattr(Fleet, "_parts_read_elsewhere", lambda self, op: True)
+    monkeypatch.setattr(Fleet, "submit", lambda self, call, *a, **k: calls.append(call.chunk.op) or real(self, call, *a,
+                                                                                                          **k))
+    streamed = run_plan(whole, RunOptions(out_dir=tmp_path / "streamed", steps=2, timeout_s=120), plane=tq_plane)
+    assert calls.count("gen") == 2 and _stable(once) == _stable(streamed)
+    assert all(r["length/mean"] >= 1 for r in once)  # each row's mask sum came with the call's one result
+    parts = [e for e in json.loads((tmp_path / "whole" / "trace.json").read_text())["traceEvents"] if e["ph"] == "i"]
+    assert len([p for p in parts if p["name"] == "gen part"]) == 2 * 6  # the worker still times each part
