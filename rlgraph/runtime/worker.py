@@ -410,14 +410,17 @@ class GroupWorker:
         the call's. A Ray streaming call reports each part to the driver (on this machine a call of
         two parts took 1.6 ms where a plain call takes 0.9), which then buys nothing."""
         summaries: dict[str, dict[int, float]] = {}
-        for item in self.run_chunk_stream(*args, **kwargs):
+        result = None
+        for item in self.run_chunk_stream(*args, **kwargs):  # to its end: the call's clean-up runs before the return
             for column, sums in item.summaries.items():
                 summaries.setdefault(column, {}).update(sums)
             if isinstance(item, CallResult):
-                item.summaries = summaries
-                return item
-        raise InvariantError(f"a streaming call of {args[0] if args else kwargs.get('op_name')!r} ended without its "
-                             f"result")
+                result = item
+        if result is None:
+            raise InvariantError(f"a streaming call of {args[0] if args else kwargs.get('op_name')!r} ended without "
+                                 f"its result")
+        result.summaries = summaries
+        return result
 
     def _stream(self, op_name: str, step: int, partition: str, chunk: int, rows: Sequence[int],
                 uids: Sequence[int], is_padding: Sequence[bool], batch_inputs: dict[str, Any] | None, salt: int,
