@@ -153,15 +153,6 @@ class Segments:
         self.held_at_reuse = 0  # free segments passed over because a reader still held them
 
     # ------------------------------------------------------------------ writing
-    def encode(self, partition: str, columns: dict[str, _Column]) -> dict[str, list[bytes]]:
-        """Write the large tensor columns of one put into a segment; their cells (descriptors) by
-        column. {} when none is large enough or no segment could be made (they go as bytes)."""
-        placed = self.place(partition, columns)
-        if placed is None:
-            return {}
-        placed.write()
-        return placed.cells
-
     def place(self, partition: str, columns: dict[str, _Column]) -> "Placed | None":
         """Room in a segment for the large tensor columns of one put, and their cells, before a byte
         is written: the put sends the cells to the storage unit and copies the bytes (`Placed.write`)

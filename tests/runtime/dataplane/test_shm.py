@@ -41,7 +41,10 @@ def _files(prefix: str) -> list[str]:
 def _put(segments, partition, **columns):
     rows = len(next(iter(columns.values())))
     norm = {k: _normalize(k, v, rows) for k, v in columns.items()}
-    shared = segments.encode(partition, norm)
+    placed = segments.place(partition, norm)  # the TQ plane sends the cells, then writes (`Placed.write`)
+    if placed is not None:
+        placed.write()
+    shared = placed.cells if placed is not None else {}
     return {k: shared[k] if k in shared else cells.encode(c) for k, c in norm.items()}
 
 
