@@ -176,7 +176,8 @@ class RewardSettings(Section):
     """'module:function' or 'file.py:function' with signature compute_score(data_source, solution_str,
     ground_truth, extra_info=None) -> float | dict; may be async def"""
     micro_batch_size: int = Field(64, ge=1)
-    """samples per call (a call goes to one reward worker)"""
+    """samples per chunk: a call goes to one reward worker and holds its ready chunks (or the rows of the call it
+    is fused into), all decoded and scored at once"""
     executor: Literal[EXECUTORS] = "thread"  # type: ignore[valid-type]
     """how a worker scores a call's samples concurrently: thread (I/O-bound functions) or process (CPU-heavy;
     a timed-out sample's process is killed); async def functions always run on an event loop"""

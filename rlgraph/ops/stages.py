@@ -269,6 +269,9 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         drops_if=_drops_on_error,
         validate=_validate_reward,
         cost=0.5,
+        # each sample is scored alone: a call of several micro-batches (ready chunks batched, or the op
+        # fused into the policy's call) decodes and scores them at once, with a metrics record per chunk
+        vectorised=True,
     ).with_(**changes)
 
 

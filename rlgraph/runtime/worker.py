@@ -227,10 +227,17 @@ def _row_sums(value: Any) -> list[float]:
     rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in value]
     if not rows:
         return []
-    flat = [r.reshape(-1) for r in rows]
-    lengths = torch.tensor([f.shape[0] for f in flat])
-    owner = torch.repeat_interleave(torch.arange(len(flat)), lengths)
-    return torch.zeros(len(flat), dtype=torch.float64).index_add_(0, owner, torch.cat(flat).double()).tolist()
+    try:  # 1-D rows (token rows, the common case) as they are: `cat` gives 1-D only for 1-D rows
+        flat = torch.cat(rows)
+    except RuntimeError:  # 0-d rows, or rows of different numbers of dimensions
+        flat = None
+    if flat is not None and flat.dim() == 1:
+        sizes = [r.shape[0] for r in rows]
+    else:
+        parts = [r.reshape(-1) for r in rows]
+        flat, sizes = torch.cat(parts), [p.shape[0] for p in parts]
+    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(sizes))
+    return torch.zeros(len(rows), dtype=torch.float64).index_add_(0, owner, flat.double()).tolist()
 
 
 class GroupWorker:

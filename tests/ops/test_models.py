@@ -245,16 +245,18 @@ def test_model_paths_may_start_with_a_tilde(tmp_path, monkeypatch):
     assert load_critic("~/models/m").config.num_labels == 1
 
 
-def test_decode_rows_gives_what_transformers_batch_decode_gives(tmp_path):
-    # the Rust tokenizer's one batched call for a plain fast tokenizer; transformers' own path otherwise
+def test_decode_rows_gives_what_transformers_batch_decode_gives(tmp_path, monkeypatch):
+    # the Rust tokenizer's own decode for a plain fast tokenizer: row by row for a small call, one batched
+    # call from DECODE_PARALLEL_TOKENS tokens; transformers' own path otherwise
     import random
 
+    from rlgraph.ops import models
     from rlgraph.ops.models import char_tokenizer, decode_rows
 
     tok = char_tokenizer()
-    batches = []
+    batches, singles = [], []
 
-    class Backend:  # the Rust tokenizer, counting its batched decodes
+    class Backend:  # the Rust tokenizer, counting its decodes
         def __init__(self, inner):
             self.inner = inner
 
@@ -265,11 +267,21 @@ def test_decode_rows_gives_what_transformers_batch_decode_gives(tmp_path):
             batches.append(len(rows))
             return self.inner.decode_batch(rows, **kwargs)
 
+        def decode(self, row, **kwargs):
+            singles.append(len(row))
+            return self.inner.decode(row, **kwargs)
+
     tok._tokenizer = Backend(tok._tokenizer)
     rng = random.Random(0)
     rows = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))] for _ in range(200)]  # special ids too
-    assert decode_rows(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
-    assert batches == [200] and decode_rows(tok, []) == []
+    expected = tok.batch_decode(rows, skip_special_tokens=True)
+    singles.clear()
+    assert sum(map(len, rows)) < models.DECODE_PARALLEL_TOKENS
+    assert decode_rows(tok, rows) == expected
+    assert batches == [] and len(singles) == 200 and decode_rows(tok, []) == []
+    monkeypatch.setattr(models, "DECODE_PARALLEL_TOKENS", sum(map(len, rows)))
+    assert decode_rows(tok, [tuple(r) for r in rows]) == expected  # rows of any sequence type
+    assert batches == [200] and len(singles) == 200
     tok.clean_up_tokenization_spaces = True  # a clean-up only transformers does: its path, the same strings
     assert decode_rows(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
     assert batches == [200]

@@ -269,3 +269,22 @@ def test_rows_that_are_not_all_one_dimensional_are_left_to_pad_sequence():
     assert torch.equal(to_call_value(ColumnPlan(name="x", dtype="float32", shape=["T", 3], level="sample",
                                                    kind="data", producer="p", consumers=[], stored=True), rows),
                        torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
+
+
+def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
+    # the summaries a call reports (each real row's sum): 1-D rows joined as they are, any other shape flattened
+    from rlgraph.runtime.worker import _row_sums
+
+    g = torch.Generator().manual_seed(2)
+    cases = [
+        [torch.rand(n, generator=g) for n in (3, 0, 5, 1)],  # ragged token rows
+        [torch.rand(n, 2, generator=g) for n in (2, 1, 3)],  # 2-D rows
+        [torch.tensor(1.5), torch.tensor(-2.0)],  # 0-d rows
+        [torch.rand(2, generator=g), torch.rand(1, 2, generator=g)],  # mixed numbers of dimensions
+        [[1, 2, 3], [4]],  # lists of numbers
+        torch.rand(4, 3, generator=g),  # a dense column
+    ]
+    for rows in cases:
+        expected = [float(torch.as_tensor(r).double().sum()) for r in rows]
+        assert _row_sums(rows) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert _row_sums([]) == []

@@ -19,6 +19,7 @@ named source of a mixed reward (e.g. ``rule_scores``).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 import torch
@@ -102,17 +103,29 @@ class RewardWorker:
             token_level_scores[at, torch.tensor([lengths[i] - 1 for i in scored])] = torch.tensor(scores)
         restarted = scorer.restarted
         scorer.restarted = 0
-        metrics = {
-            "scored_count": len(real),
-            "process_restarts": restarted,
-            "error_count": sum(1 for _, o in failed if not o.timed_out),
-            "timeout_count": sum(1 for _, o in failed if o.timed_out),
-        }
-        return {score_col: token_level_scores, extra_col: reward_extra, metrics_col: metrics}
+        return {score_col: token_level_scores, extra_col: reward_extra,
+                metrics_col: _chunk_metrics(ctx.chunks or (rows,), real, failed, restarted)}
 
     def close(self) -> None:
         for scorer in self.scorers.values():
             scorer.close()
+
+
+def _chunk_metrics(chunks: tuple[int, ...], real: list[int], failed: list[tuple[int, Any]],
+                   restarted: int) -> dict[str, Any] | list[dict[str, Any]]:
+    """The call's metrics: one record, or one per chunk when the call holds several (the op is
+    vectorised: the step's metrics then average what a call per chunk would have given). Rows are
+    the call's, in chunk order; restarts are the call's, on its first chunk."""
+    records, start = [], 0
+    for size in chunks:  # `real` and `failed` are in row order
+        end = start + size
+        errors = [o for i, o in failed if start <= i < end] if failed else []
+        records.append({"scored_count": bisect_left(real, end) - bisect_left(real, start),
+                        "process_restarts": restarted if not records else 0,
+                        "error_count": sum(1 for o in errors if not o.timed_out),
+                        "timeout_count": sum(1 for o in errors if o.timed_out)})
+        start = end
+    return records[0] if len(records) == 1 else records
 
 
 def overlong_penalties(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:

@@ -248,7 +248,7 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     for i, r in enumerate(rows):
         responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
     ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=(False, False, False, True, False),
-                          outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None)
+                          outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None, chunks=(5,))
     w = RewardWorker()
     w.default_tokenizer, w.tokenizers, w.scorers = "char", {}, {}
     out = w.compute_reward(None, responses, None, ["add"] * 5, truths, [None] * 5,
@@ -260,3 +260,45 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     assert torch.equal(out["token_level_scores"], expected)
     assert "reward_error" in out["reward_extra"][2] and out["reward_extra"][3] == {}  # padding is never scored
     assert out["reward_metrics"]["scored_count"] == 4 and out["reward_metrics"]["error_count"] == 1
+
+
+def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_would():
+    # the op is vectorised: a call holding chunks of 3 and 4 rows decodes and scores them at once, and
+    # gives one metrics record per chunk, each what a call on that chunk alone gives
+    from types import SimpleNamespace
+
+    from rlgraph.ops.models import char_tokenizer
+    from rlgraph.ops.reward.rule import RewardWorker
+
+    tok = char_tokenizer()
+    texts = ["12", "7", "", "4", "9", "3", "5"]
+    truths = ["12", "7", "2", "4", "8", "3", "6"]  # odd truths raise in raise_on_odd: rows 1, 5
+    padding = (False, False, False, True, False, False, False)
+    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    rows[2] = []
+    fn = f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd"
+    w = RewardWorker()
+    w.default_tokenizer, w.tokenizers, w.scorers = "char", {}, {}
+
+    def call(lo, hi, chunks):
+        part = rows[lo:hi]
+        lengths = tuple(len(r) for r in part)
+        responses = torch.zeros(len(part), max(lengths), dtype=torch.int64)
+        for i, r in enumerate(part):
+            responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=padding[lo:hi],
+                              outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None,
+                              chunks=chunks)
+        return w.compute_reward(None, responses, None, ["add"] * (hi - lo), truths[lo:hi], [None] * (hi - lo),
+                                fn=fn, executor="thread", concurrency=2, timeout_s=10.0, on_error="zero",
+                                tokenizer="", ctx=ctx)
+
+    whole, first, second = call(0, 7, (3, 4)), call(0, 3, (3,)), call(3, 7, (4,))
+    assert whole["reward_metrics"] == [first["reward_metrics"], second["reward_metrics"]]
+    assert [m["scored_count"] for m in whole["reward_metrics"]] == [3, 3]
+    assert [m["error_count"] for m in whole["reward_metrics"]] == [1, 1]
+    width = whole["token_level_scores"].shape[1]
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    assert torch.equal(whole["token_level_scores"],
+                       torch.cat([pad(first["token_level_scores"]), pad(second["token_level_scores"])]))
+    assert whole["reward_extra"] == first["reward_extra"] + second["reward_extra"]
