@@ -140,8 +140,9 @@ def _rate(fn: Callable[[], Any], n: int, repeats: int) -> float:
 
 def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.Section:
     from rlgraph.ops.algos.core import entropy_from_logits, logprobs_from_logits
-    from rlgraph.ops.rollout.parts import cut_lengths, left_pad, response_columns
+    from rlgraph.ops.rollout.parts import cut_lengths, response_columns
     from rlgraph.ops.train.sequences import pack, repack
+    from rlgraph.rows import left_pad
     from rlgraph.runtime.invoke import _convert
 
     n, repeats = (128, 3) if quick else (ROWS, 9)

@@ -59,6 +59,10 @@ pipeline = Pipeline(
     config={
         "data": {"batch_size": 16, "task": "add"},
         "rollout": {"n": 8, "max_new_tokens": 4, "temperature": 1.0},
+        # the built-in scorer compares two strings and cannot stall: no time limit, so a call scores on
+        # its own thread, as a single-process trainer does (a hand-off to the scoring threads and back
+        # costs more than scoring 128 answers; docs/operators.md, reward.timeout_s)
+        "reward": {"timeout_s": 0},
         "actor": {"model_path": MODEL, "lr": 3e-4, "mini_batch_size": 16, **PASSES,
                   "use_kl_loss": True, "kl_loss_coef": 0.001},
         "old_logprob": PASSES,

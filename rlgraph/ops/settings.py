@@ -184,7 +184,8 @@ class RewardSettings(Section):
     concurrency: int = Field(8, ge=1)
     """samples scored at once per worker"""
     timeout_s: float = Field(60.0, ge=0.0)
-    """time limit per sample, from its start (0: none)"""
+    """time limit per sample, from its start (0: none; then, with the thread executor, a call whose samples' measured
+    work is under 2 ms is scored on the op's own thread, without a hand-off to the scoring threads)"""
     on_error: Literal[ON_ERROR] = "fail"  # type: ignore[valid-type]
     """a sample whose function raised or timed out: fail the step, score it zero, or drop its group from
     training (drop_group)"""

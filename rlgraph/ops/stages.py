@@ -255,7 +255,10 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
     least-loaded idle rank (``load/<name>/rank_<r>/rows`` in the metrics)."""
     return OpSpec(
         name=name,
-        inputs=_cols("prompts", "responses", "response_mask", "data_source", "ground_truth", "extra_info"),
+        # what verl's compute_score is given (the decoded response, its data source, ground truth and extra
+        # info), and the response mask: read, it makes a per-group op after the reward (the advantage)
+        # ready when the reward's call starts, so that op runs inside it (rlgraph.graph.fuse)
+        inputs=_cols("responses", "response_mask", "data_source", "ground_truth", "extra_info"),
         outputs={score_column: COLUMNS["token_level_scores"] if score_column == "token_level_scores"
                  else T.float32(R, doc=f"score of the {name} op, on the last response token"),
                  f"{name}_extra": T.json(doc="extra values returned by the reward function; reward_error on failure"),

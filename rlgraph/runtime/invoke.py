@@ -32,6 +32,7 @@ from rlgraph.errors import OpError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
 from rlgraph.graph.settings import TrainerSettings
+from rlgraph.rows import Rows, pad_rows, trimmed_rows
 from rlgraph.seeds import stable_seed
 
 __all__ = ["OpContext", "OpError", "BindingError", "binding_problems", "to_call_value",
@@ -144,33 +145,18 @@ def to_call_value(col: ColumnPlan, values: Any) -> Any:
         return list(values) if isinstance(values, tuple) else values
     if isinstance(values, torch.Tensor):
         return values
+    if type(values) is Rows and values.flat is not None and values:  # padded once for all its readers
+        padded, dtype = values.padded(), TORCH_DTYPES[col.dtype]
+        return padded.clone() if padded.dtype is dtype else padded.to(dtype)  # the body may change its copy
     rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
     if not rows:
         return torch.empty((0,), dtype=TORCH_DTYPES[col.dtype])
     if any(isinstance(d, str) for d in col.shape):
-        padded = _pad_rows(rows)
+        padded = pad_rows(rows)
         if padded is None:
             padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
         return padded.to(TORCH_DTYPES[col.dtype])
     return torch.stack(rows).to(TORCH_DTYPES[col.dtype])
-
-
-def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:
-    """1-D rows right-padded with zeros to ``[len(rows), longest]`` (what ``pad_sequence`` gives),
-    in one copy into place, not one per row; None when the rows are not all 1-D. The joined rows
-    tell that without a look at each row: ``cat`` refuses 0-d rows and rows of different numbers of
-    dimensions, and gives 1-D only for 1-D rows."""
-    try:
-        flat = torch.cat(rows)
-    except RuntimeError:
-        return None
-    if flat.dim() != 1:
-        return None
-    lengths = [r.shape[0] for r in rows]  # not len(r): a tensor's __len__ is Python, ~1 us
-    width = max(lengths)
-    out = flat.new_zeros((len(rows), width))
-    out[torch.arange(width) < torch.tensor(lengths).unsqueeze(1)] = flat  # row-major: each row's tokens, in order
-    return out
 
 
 def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> dict[str, list[int]]:
@@ -185,6 +171,9 @@ def _row_lengths(plan: Plan, op: OpPlan, stored_inputs: Mapping[str, Any]) -> di
                 continue
             if isinstance(values, torch.Tensor):  # every row had the same length: the data plane sent it dense
                 out[dim] = [int(values.shape[axis + 1])] * int(values.shape[0])
+            elif type(values) is Rows and values.flat is not None:  # 1-D rows: their lengths are known
+                if axis == 0:
+                    out[dim] = list(values.lengths)
             elif isinstance(values, (list, tuple)):
                 try:
                     try:  # tensors (arrays): their shapes as they are
@@ -228,11 +217,12 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
             raise OpError(f"op {op.name!r}: output {name!r} has {value.shape[0]} rows, but the call's inputs give "
                           f"{len(lens)} row lengths for {ragged[0][1]!r}")
         if value.dim() == 2:  # token rows: the real tokens in one masked copy, cut into rows (no narrow per row)
-            kept = torch.tensor(lens).clamp(max=width)
-            return list(value[torch.arange(width) < kept.unsqueeze(1)].split(kept.tolist()))
+            return trimmed_rows(value, torch.tensor(lens).clamp(max=width).tolist())
         return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens)]
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
+    if type(value) is Rows and value.flat is not None and value.flat.dtype is dtype:  # as they are, padding kept
+        return value
     if all(type(v) is torch.Tensor and v.dtype is dtype for v in value):  # as they are (what the line below gives)
         return list(value)
     return [torch.as_tensor(v).to(dtype) for v in value]

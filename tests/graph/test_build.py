@@ -41,7 +41,7 @@ def test_one_edge_per_column_per_consumer(ppo) -> None:
     g = build(ppo)
     # Inputs of each PPO op, all produced by exactly one node:
     #   generate 2 (prompt_ids, policy_weights)
-    # + reward 6 (prompts, responses, response_mask, data_source, ground_truth, extra_info)
+    # + reward 5 (responses, response_mask, data_source, ground_truth, extra_info)
     # + old_logprob 7 (input_ids, attention_mask, position_ids, responses, response_mask, policy_weights,
     #   and its optional rollout_log_probs: old_logprob.compare_rollout is true by default)
     # + ref 5 (the model inputs and response_mask)
@@ -53,10 +53,10 @@ def test_one_edge_per_column_per_consumer(ppo) -> None:
     #   optional ref_log_prob and
     #   rollout_log_probs are not connected: actor.use_kl_loss is false, the KL is in the reward,
     #   and actor.tis_cap and actor.decoupled_cap are 0)
-    # = 2 + 6 + 7 + 5 + 6 + 7 + 7 + 9 = 49
-    assert g.dag.number_of_edges() == 49
-    # generate -> reward carries prompts, responses, response_mask: three edges keyed by column
-    assert set(g.dag.get_edge_data("generate", "reward")) == {"prompts", "responses", "response_mask"}
+    # = 2 + 5 + 7 + 5 + 6 + 7 + 7 + 9 = 48
+    assert g.dag.number_of_edges() == 48
+    # generate -> reward carries responses and response_mask: two edges keyed by column
+    assert set(g.dag.get_edge_data("generate", "reward")) == {"responses", "response_mask"}
     for u, v, key, attrs in g.dag.edges(keys=True, data=True):
         assert key == attrs["column"]
         assert attrs["column"] in g.spec(v).inputs

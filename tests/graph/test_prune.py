@@ -23,10 +23,11 @@ def test_ppo_prunes_entropy_and_unread_rollout_log_probs(ppo) -> None:
     # + reward 3 + old_logprob 3 + ref 1 + values 1 + advantage 4 + update_critic 2 + update_actor 2 = 32 columns
     assert len(stored) == 32
     # nobody reads entropy (no entropy bonus op), and it is not an output; old_logprob reads
-    # rollout_log_probs to compare them with its own (compare_rollout, on by default)
-    assert _pruned(ppo) == {"entropy"}
+    # rollout_log_probs to compare them with its own (compare_rollout, on by default); nobody reads the
+    # prompts on their own (the rule reward scores the response; the model passes read input_ids)
+    assert _pruned(ppo) == {"entropy", "prompts"}
     # without the comparison nobody reads them: pruned, and generate does not compute them (ctx.wanted)
-    assert _pruned(ppo, ["old_logprob.compare_rollout=false"]) == {"entropy", "rollout_log_probs"}
+    assert _pruned(ppo, ["old_logprob.compare_rollout=false"]) == {"entropy", "prompts", "rollout_log_probs"}
 
 
 def test_ppo_keeps_its_outputs_and_metrics(ppo) -> None:
@@ -39,7 +40,7 @@ def test_ppo_keeps_its_outputs_and_metrics(ppo) -> None:
 
 def test_grpo_prunes_returns(grpo) -> None:
     # no critic reads 'returns'; grpo lists no outputs, so token_level_rewards and reward_extra go too
-    assert _pruned(grpo) == {"entropy", "returns", "token_level_rewards", "reward_extra"}
+    assert _pruned(grpo) == {"entropy", "prompts", "returns", "token_level_rewards", "reward_extra"}
     stored = prune(build(grpo))
     assert stored["advantage_metrics"] and stored["actor_metrics"]
     assert stored["policy_weights"]  # state, read by generate in the next step

@@ -173,7 +173,7 @@ def test_one_edge_per_producer_consumer_labelled_with_all_its_columns(plans, svg
 
 def test_ppo_generate_to_reward_carries_responses(svgs):
     texts = _texts(_groups(svgs["ppo"], "edge")["generate->reward"])
-    assert {"prompts", "responses", "response_mask"} <= set(texts)
+    assert {"responses", "response_mask"} <= set(texts)
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])

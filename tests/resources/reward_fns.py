@@ -61,3 +61,18 @@ def counted(data_source, solution_str, ground_truth, extra_info=None):
     CALLS[ground_truth] = CALLS.get(ground_truth, 0) + 1
     time.sleep(0.5 if int(ground_truth) % 7 == 3 else 0.002)
     return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+SCORED_ON: list = []  # (thread name, ground truth) of each sample `where_scored` scored
+DELAY_S = [0.0]  # `where_scored`'s time per sample (a test slows it down mid-way)
+
+
+def where_scored(data_source, solution_str, ground_truth, extra_info=None):
+    import threading
+
+    SCORED_ON.append((threading.current_thread().name, ground_truth))
+    if DELAY_S[0]:
+        time.sleep(DELAY_S[0])
+    if ground_truth == "boom":
+        raise ValueError("boom")
+    return compute_score(data_source, solution_str, ground_truth, extra_info)

@@ -1,6 +1,7 @@
 """The calling convention and padding rows, without Ray."""
 
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -249,30 +250,41 @@ def test_only_an_op_declared_to_drop_rows_may_drop_them():
     assert inv.last_dropped == {1: ("bad", True)}
 
 
-@pytest.mark.parametrize("lengths", [[3, 1, 4, 0, 2], [0, 0], [5]])
-def test_ragged_token_rows_are_padded_as_pad_sequence_pads_them(lengths):
-    from rlgraph.runtime.invoke import _pad_rows
-
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(1, 9, (n,), generator=g) for n in lengths]
-    assert torch.equal(_pad_rows(rows), torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
-
-
 def test_rows_that_are_not_all_one_dimensional_are_left_to_pad_sequence():
     from rlgraph.graph.plan import ColumnPlan
-    from rlgraph.runtime.invoke import _pad_rows, to_call_value
+    from rlgraph.runtime.invoke import to_call_value
 
-    assert _pad_rows([torch.ones(2, 3), torch.ones(1, 3)]) is None  # 2-D rows: pad_sequence pads them
-    assert _pad_rows([torch.tensor(1.0), torch.tensor(2.0)]) is None  # 0-d rows
-    assert _pad_rows([torch.ones(2), torch.ones(1, 2)]) is None  # mixed
     rows = [torch.ones(2, 3), torch.full((1, 3), 2.0)]
     assert torch.equal(to_call_value(ColumnPlan(name="x", dtype="float32", shape=["T", 3], level="sample",
                                                    kind="data", producer="p", consumers=[], stored=True), rows),
                        torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
 
 
+def test_ragged_rows_are_padded_once_for_all_their_readers_and_each_reader_gets_its_own_copy():
+    # a column kept as Rows (an op's dense ragged output, cut to its rows' lengths) is padded once; every
+    # call gets a copy of that padding in the column's dtype, so what one body changes never reaches the next
+    from rlgraph.graph.plan import ColumnPlan, OpPlan
+    from rlgraph.rows import Rows
+    from rlgraph.runtime.invoke import _convert, to_call_value
+
+    col = ColumnPlan(name="x", dtype="int64", shape=["T"], level="sample", kind="data", producer="p", consumers=[],
+                     stored=True)
+    dense = torch.tensor([[1, 2, 9], [3, 9, 9], [4, 5, 6]])  # 9: what the body left beyond each row's length
+    plan = SimpleNamespace(columns={"x": col})
+    rows = _convert(plan, OpPlan.model_construct(name="p"), "x", dense, 3, {"T": [2, 1, 3]})
+    assert type(rows) is Rows and [r.tolist() for r in rows] == [[1, 2], [3], [4, 5, 6]]
+    assert _convert(plan, OpPlan.model_construct(name="p"), "x", rows, 3, {}) is rows  # kept as they are
+    first = to_call_value(col, rows)
+    assert first.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
+    first.zero_()  # a body changes its argument in place
+    assert to_call_value(col, rows).tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
+    as_float = to_call_value(col.model_copy(update={"dtype": "float32"}), rows)
+    assert as_float.dtype == torch.float32 and as_float.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
+
+
 def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
     # the summaries a call reports (each real row's sum): 1-D rows joined as they are, any other shape flattened
+    from rlgraph.rows import Rows
     from rlgraph.runtime.worker import _row_sums
 
     g = torch.Generator().manual_seed(2)
@@ -281,6 +293,7 @@ def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
         [torch.rand(n, 2, generator=g) for n in (2, 1, 3)],  # 2-D rows
         [torch.tensor(1.5), torch.tensor(-2.0)],  # 0-d rows
         [torch.rand(2, generator=g), torch.rand(1, 2, generator=g)],  # mixed numbers of dimensions
+        Rows(torch.rand(6, generator=g), [2, 0, 4]),  # 1-D rows of one flat tensor
         [[1, 2, 3], [4]],  # lists of numbers
         torch.rand(4, 3, generator=g),  # a dense column
     ]

@@ -59,9 +59,10 @@ class RewardWorker:
             self.tokenizers[path] = tokenizer_at(path)
         return self.tokenizers[path]
 
-    def compute_reward(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
-                       data_source: list, ground_truth: list, extra_info: list, *, fn: str, executor: str,
-                       concurrency: int, timeout_s: float, on_error: str, tokenizer: str, ctx: Any) -> dict[str, Any]:
+    def compute_reward(self, responses: torch.Tensor, response_mask: torch.Tensor, data_source: list,
+                       ground_truth: list, extra_info: list, *,
+                       fn: str, executor: str, concurrency: int, timeout_s: float, on_error: str, tokenizer: str,
+                       ctx: Any) -> dict[str, Any]:
         if on_error not in ON_ERROR:
             raise RewardFnError(f"{ctx.op}.on_error={on_error!r}; use one of {', '.join(ON_ERROR)}")
         key = (fn, executor, int(concurrency), float(timeout_s))
@@ -85,19 +86,22 @@ class RewardWorker:
                 f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
         score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
         token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
-        reward_extra: list[dict] = [{} for _ in range(rows)]
+        # the extras column, where an op or the pipeline reads it (else one empty record for every row)
+        reward_extra: list[dict] = [{} for _ in range(rows)] if extra_col in ctx.wanted else [{}] * rows
         scored: list[int] = []  # rows whose score goes on their last response token
         scores: list[float] = []
         for i, o in zip(real, outcomes):
-            reward_extra[i] = dict(o.extra)
             if o.error is not None:
-                reward_extra[i]["reward_error"] = o.error
+                if extra_col in ctx.wanted:
+                    reward_extra[i] = {**o.extra, "reward_error": o.error}
                 if on_error == "drop_group":
                     ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
                 continue
+            if o.extra and extra_col in ctx.wanted:
+                reward_extra[i] = dict(o.extra)
             if lengths[i] > 0:
                 scored.append(i)
-                scores.append(float(o.score))
+                scores.append(o.score)
         if scored:  # one indexed write, not one per row (~3 us each)
             at = torch.tensor(scored)
             token_level_scores[at, torch.tensor([lengths[i] - 1 for i in scored])] = torch.tensor(scores)

@@ -4,7 +4,9 @@ A `RewardScorer` wraps one verl-signature function (``module:function``) and sco
 samples concurrently, in one of three ways:
 
 - ``thread`` (default): up to ``concurrency`` samples at once on threads: right for functions
-  that wait on I/O (a sandbox, an HTTP judge) or release the GIL;
+  that wait on I/O (a sandbox, an HTTP judge) or release the GIL; without a time limit
+  (``timeout_s=0``), a call whose samples' measured work fits one thread is scored on the
+  caller's own thread, one sample after another, as a single-process trainer scores;
 - ``process``: a `pebble` process pool of ``concurrency`` processes, for CPU-heavy functions
   (symbolic math, running tests); a sample over its time limit has its process killed; a sample
   whose process died under it (killed from outside, the OOM killer, a crash) is scored again on a
@@ -207,6 +209,8 @@ class RewardScorer:
             calls = [{"data_source": data_sources[i], "solution_str": solution_strs[i],
                       "ground_truth": ground_truths[i], "extra_info": extra_infos[i]} for i in range(n)]
             raw = asyncio.run(self._run_async(calls)) if self.is_async else self._run_processes(calls)
+        elif self.timeout_s is None and self.sample_s is not None and n * self.sample_s <= RUN_BUDGET_S:
+            raw = self._run_inline((data_sources, solution_strs, ground_truths, extra_infos))
         else:
             raw = self._run_threads((data_sources, solution_strs, ground_truths, extra_infos))
         out = []
@@ -250,6 +254,23 @@ class RewardScorer:
         return Outcome(score=score, extra=extra, seconds=seconds)
 
     # ------------------------------------------------------------------ threads
+    def _run_inline(self, columns: tuple[Sequence[Any], ...]) -> list[tuple[str, Any, float]]:
+        """Score one sample after another on the calling thread: for a call without a time limit whose
+        measured work fits one thread (`RUN_BUDGET_S`), where a hand-off to a thread and back costs
+        more than the scoring (a 128-sample call of the addition task: 0.04 ms of scoring, 0.25 ms on
+        a thread). No limit means none to enforce, so nothing here needs a thread that can be left behind."""
+        fn, (sources, solutions, truths, extras), clock = self.fn, columns, time.monotonic
+        out: list[tuple[str, Any, float]] = []
+        for i in range(len(sources)):
+            t0 = clock()
+            try:
+                out.append(("ok", fn(data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i],
+                                     extra_info=extras[i]), clock() - t0))
+            except (Exception, SystemExit) as e:  # the user's function failed: per sample, as on a thread
+                out.append(("error", _describe(e), clock() - t0))
+        self.sample_s = sum(r[2] for r in out) / len(out)
+        return out
+
     def _run_threads(self, columns: tuple[Sequence[Any], ...]) -> list[tuple[str, Any, float]]:
         if self._threads is None:
             self._threads = _ThreadPool(self.fn, self.concurrency)

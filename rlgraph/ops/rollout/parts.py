@@ -24,11 +24,12 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from rlgraph.ops.names import parse_token_ids
+from rlgraph.rows import Rows, left_pad, trimmed_rows
 from rlgraph.seeds import stable_seed
 
 # parse_token_ids is rlgraph.ops.names's (torch-free: the compiler checks the param with it)
 __all__ = ["GEN_COLUMNS", "VERSIONS", "groups_of", "hf_parts", "vllm_parts", "response_columns", "parse_token_ids",
-           "cut_lengths", "left_pad", "trimmed_rows", "seed_device", "generation_config"]
+           "cut_lengths", "seed_device", "generation_config"]
 
 GEN_COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                "rollout_log_probs")
@@ -39,8 +40,8 @@ VERSIONS = "weight_labels"  # not a column: a vllm part's per-row weight labels 
 
 def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
                      is_padding: Sequence[bool], log_probs: Sequence[torch.Tensor] | None) -> dict[str, list]:
-    """The generate op's per-sample output columns, one entry per row (views into one flat tensor
-    per column: a few concatenations and splits, no per-row allocations)."""
+    """The generate op's per-sample output columns, one entry per row (`Rows`: views into one flat
+    tensor per column, a few concatenations and splits, no per-row allocations)."""
     if not prompts:
         return {k: [] for k in GEN_COLUMNS}
     plen = [p.shape[0] for p in prompts]  # not len(): Tensor.__len__ is a Python call (~1 us a row)
@@ -55,24 +56,14 @@ def response_columns(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
     lp = (torch.cat([t.float().reshape(-1) for t in log_probs]) if log_probs is not None
           else torch.zeros(sum(rlen)))
     return {
-        "prompts": list(prompt_flat.split(plen)),
-        "responses": list(response_flat.split(rlen)),
-        "response_mask": list(real.repeat_interleave(torch.tensor(rlen)).split(rlen)),
-        "input_ids": list(seq_flat.split(slen)),
-        "attention_mask": list(torch.ones(sum(slen), dtype=torch.long).split(slen)),
-        "position_ids": list(positions.split(slen)),
-        "rollout_log_probs": list(lp.split(rlen)),
+        "prompts": Rows(prompt_flat, plen),
+        "responses": Rows(response_flat, rlen),
+        "response_mask": Rows(real.repeat_interleave(torch.tensor(rlen)), rlen),
+        "input_ids": Rows(seq_flat, slen),
+        "attention_mask": Rows(torch.ones(sum(slen), dtype=torch.long), slen),
+        "position_ids": Rows(positions, slen),
+        "rollout_log_probs": Rows(lp, rlen),
     }
-
-
-def trimmed_rows(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """Each row of right-padded `padded` [rows, width] cut to its length: one masked copy, split
-    into views (a slice a row took 0.24 ms for 128 rows, this 0.09)."""
-    lengths = list(lengths)
-    if not lengths:
-        return []
-    keep = torch.arange(padded.shape[1]) < torch.tensor(lengths).unsqueeze(1)
-    return list(padded[keep].split(lengths))
 
 
 def groups_of(is_padding: Sequence[bool], n: int) -> tuple[list[int], list[list[int]]]:
@@ -103,19 +94,6 @@ def cut_lengths(tokens: torch.Tensor, stop: set[int]) -> list[int]:
     hits = torch.isin(tokens, torch.tensor(ids, dtype=tokens.dtype))
     first = hits.to(torch.int8).argmax(dim=1)  # the first hit's column (0 where there is none)
     return torch.where(hits.any(dim=1), first + 1, width).tolist()
-
-
-def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prompts` as one left-padded batch (generation continues from the last column) and its
-    attention mask, both ``long`` [rows, longest prompt]: the rows joined, then written into place
-    by one masked assignment (``pad_sequence``'s left padding took 0.3 ms for 128 rows)."""
-    lengths = torch.tensor([p.shape[0] for p in prompts], dtype=torch.long)
-    width = int(lengths.max()) if len(prompts) else 0
-    mask = (torch.arange(width) >= (width - lengths).unsqueeze(1)).long()
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    if width:
-        ids[mask.bool()] = torch.cat(list(prompts)).long()  # row-major: each row's tokens fill its last columns
-    return ids, mask
 
 
 def _part(positions: list[int], prompts: Sequence[torch.Tensor], responses: dict[int, torch.Tensor],

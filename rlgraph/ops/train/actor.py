@@ -30,7 +30,7 @@ from rlgraph.ops.algos import (agg_loss, decoupled_weights, gspo_policy_loss, kl
                                drop_unusable, rollout_probs_diff, top_k_distill_loss, truncated_is_weights,
                                usable_ids)
 from rlgraph.ops.models import forward_dtype, load_causal_lm, load_tokenizer, worker_device
-from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, trimmed_rows, vllm_parts
+from rlgraph.ops.rollout.parts import VERSIONS, hf_parts, parse_token_ids, vllm_parts
 from rlgraph.ops.settings import ActorSettings, RolloutSettings
 from rlgraph.ops.train.engine.balance import balance_across_ranks
 from rlgraph.ops.train.engine.base import load_model_state, model_state, valid_counts
@@ -38,6 +38,7 @@ from rlgraph.ops.train.logprobs import Scores, enable_token_logprobs, score_rows
 from rlgraph.ops.train.lora import adapters_disabled, apply_lora, has_lora, merged_weights
 from rlgraph.ops.train.sequences import Packed, repack
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
+from rlgraph.rows import trimmed_rows
 
 __all__ = ["ActorWorker", "StalenessError"]
 

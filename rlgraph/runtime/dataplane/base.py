@@ -38,6 +38,7 @@ from typing import Any, Iterator, Mapping, Sequence, Union
 import torch
 
 from rlgraph.errors import RLGraphError
+from rlgraph.rows import Rows
 
 __all__ = [
     "DataPlaneError",
@@ -178,6 +179,11 @@ def _normalize(name: str, value: Any, n_rows: int) -> _Column:
         )
     if len(value) != n_rows:
         raise DataPlaneError(f"column {name!r}: put for {n_rows} rows got a list of {len(value)}")
+    if type(value) is Rows and value.flat is not None and value and value.flat.is_contiguous():
+        lengths = value.lengths  # 1-D views of one contiguous tensor, in order: one dtype, each contiguous
+        if min(lengths) == max(lengths):
+            return _Column("dense", value.flat.view(len(lengths), lengths[0]))
+        return _Column("ragged", value)
     tensors = [isinstance(v, torch.Tensor) for v in value]
     if any(tensors) and not all(tensors):
         raise DataPlaneError(f"column {name!r}: mixes tensors and non-tensors; use one kind per column")

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
+from rlgraph.rows import Rows
 from rlgraph.runtime.dataplane.base import ColumnData, DataPlaneError, _Column, _nbytes
 
 __all__ = ["any_shared", "decode", "encode", "payload_nbytes", "shared", "write"]
@@ -93,7 +94,7 @@ def encode(col: _Column) -> list[bytes]:
         return [head + data[i * n:(i + 1) * n] for i in range(rows)]
     if col.kind == "ragged":
         values: list[torch.Tensor] = col.value
-        data = _raw(torch.cat(values if values[0].dim() == 1 else [v.reshape(-1) for v in values]))
+        data = _raw(_joined(values))
         size = values[0].element_size()
         heads: dict[tuple[int, ...], bytes] = {}
         out = []
@@ -113,15 +114,16 @@ def encode(col: _Column) -> list[bytes]:
 def write(col: _Column, buffer: Any, offset: int) -> None:
     """Copy a tensor column's rows, one after another, into writable `buffer` at `offset`.
 
-    A dense column is one ``copy_``; the rows of a ragged one are joined by one ``torch.cat`` into
-    the buffer (a numpy copy per row cost ~7 us a row: 7.4 ms for 1,024 rows against 1.5 ms). Each
+    A dense column is one ``copy_``, and so is a ragged one kept as `Rows` (its flat tensor); the
+    rows of any other ragged one are joined by one ``torch.cat`` into the buffer (a numpy copy per row cost ~7 us a row: 7.4 ms for 1,024 rows against 1.5 ms). Each
     runs on one torch thread: torch's OpenMP threads spin for a while after a parallel copy, taking
     the CPU from the storage unit that the put's request goes to next (on 2 cores a put's round
     trip took 2-4 ms longer). A column of at least `SPLIT_BYTES` is copied in two halves on two
     Python threads when this process has two torch threads or more (the CPUs its group holds):
     they sleep, not spin, once done."""
-    if col.kind == "dense":
-        t: torch.Tensor = col.value.detach()
+    rows = col.value
+    if col.kind == "dense" or type(rows) is Rows and rows.flat is not None:  # a Rows: its flat tensor, as dense
+        t: torch.Tensor = (rows if col.kind == "dense" else rows.flat).detach()
         if not t.numel():
             return
         src = t.reshape(-1)
@@ -196,6 +198,13 @@ def _one_thread() -> Iterator[int]:
         yield n
     finally:
         torch.set_num_threads(n)
+
+
+def _joined(values: list[torch.Tensor]) -> torch.Tensor:
+    """A ragged column's rows, one after another, flat (a `Rows`'s own flat tensor as it is)."""
+    if type(values) is Rows and values.flat is not None:
+        return values.flat
+    return torch.cat(values if values[0].dim() == 1 else [v.reshape(-1) for v in values])
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -386,9 +395,9 @@ def _ragged_rows(cells: Sequence[Any]) -> list[torch.Tensor] | None:
     keep[(starts[:, None] + np.arange(head)).ravel()] = False
     body = joined[keep]  # the one copy: every body, in order
     flat = torch.from_numpy(body).view(dtype) if body.size else torch.empty(0, dtype=dtype)
-    parts = torch.split(flat, numels.tolist())
     if ndim == 1:
-        return list(parts)
+        return Rows(flat, numels.tolist())
+    parts = torch.split(flat, numels.tolist())
     return [p.view(*shape) for p, shape in zip(parts, shapes.tolist())]
 
 
@@ -466,6 +475,8 @@ def _mapped(code: int, shapes: Any, runs: list[tuple[str, int, int, int]], segme
         flat = flats[0] if len(flats) == 1 else torch.cat(flats)
         return flat.view(rows, *first)
     shapes = shapes.tolist() if isinstance(shapes, np.ndarray) else shapes
+    if len(flats) == 1 and all(len(shape) == 1 for shape in shapes):  # one run of 1-D rows: views of it
+        return Rows(flats[0], [shape[0] for shape in shapes])
     out: list[torch.Tensor] = []
     at = 0
     for flat, (_, _, _, k) in zip(flats, runs):
@@ -485,8 +496,8 @@ def _shaped(flat: torch.Tensor, heads: list[tuple[int, tuple[int, ...]]], rows: 
     shapes = {shape for _, shape in heads}
     if len(shapes) == 1:
         return flat.view(rows, *heads[0][1])
-    if all(len(shape) == 1 for shape in shapes):  # rows of one dimension: split's parts as they are
-        return list(torch.split(flat, [shape[0] for _, shape in heads]))
+    if all(len(shape) == 1 for shape in shapes):  # rows of one dimension: views of the flat tensor
+        return Rows(flat, [shape[0] for _, shape in heads])
     sizes = [_numel(shape) for _, shape in heads]
     return [part.view(shape) for part, (_, shape) in zip(torch.split(flat, sizes), heads)]
 

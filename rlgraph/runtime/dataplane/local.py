@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from rlgraph.rows import Rows
 from rlgraph.runtime.dataplane.base import ColumnData, _normalize, assemble_rows
 
 __all__ = ["LocalColumns"]
@@ -87,6 +88,8 @@ def _gather(blocks: list[_Block], rows: tuple[int, ...]) -> ColumnData | None:
     returns them; None when a row is held by none."""
     last = blocks[-1]
     if last.rows == rows:  # what one call wrote, read whole: a dense tensor copied (the body may change it)
+        if type(last.value) is Rows:  # ragged rows of one tensor as they are: a body gets them padded, a copy
+            return last.value
         return last.value.clone() if isinstance(last.value, torch.Tensor) else _assembled(last.value)
     where: dict[int, tuple[int, int]] = {}  # row -> (block, position in it)
     wanted = set(rows)

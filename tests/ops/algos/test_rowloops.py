@@ -8,8 +8,9 @@ import torch
 from benchmarks import rowloops
 from rlgraph.ops.algos import core
 from rlgraph.ops.algos.core import entropy_from_logits, logprobs_from_logits
-from rlgraph.ops.rollout.parts import cut_lengths, left_pad, response_columns
+from rlgraph.ops.rollout.parts import cut_lengths, response_columns
 from rlgraph.ops.train.sequences import pack, repack
+from rlgraph.rows import left_pad
 
 
 @pytest.fixture(scope="module")

@@ -248,10 +248,11 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     for i, r in enumerate(rows):
         responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
     ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=(False, False, False, True, False),
-                          outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None, chunks=(5,))
+                          outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None, chunks=(5,),
+                          wanted=("token_level_scores", "reward_extra", "reward_metrics"))
     w = RewardWorker()
     w.default_tokenizer, w.tokenizers, w.scorers = "char", {}, {}
-    out = w.compute_reward(None, responses, None, ["add"] * 5, truths, [None] * 5,
+    out = w.compute_reward(responses, None, ["add"] * 5, truths, [None] * 5,
                            fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
                            executor="thread", concurrency=2, timeout_s=10.0, on_error="zero", tokenizer="", ctx=ctx)
     expected = torch.zeros(5, max(lengths))
@@ -260,6 +261,13 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     assert torch.equal(out["token_level_scores"], expected)
     assert "reward_error" in out["reward_extra"][2] and out["reward_extra"][3] == {}  # padding is never scored
     assert out["reward_metrics"]["scored_count"] == 4 and out["reward_metrics"]["error_count"] == 1
+    ctx.wanted = ("token_level_scores", "reward_metrics")  # nobody reads the extras: an empty record a row
+    unread = w.compute_reward(responses, None, ["add"] * 5, truths, [None] * 5,
+                              fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
+                              executor="thread", concurrency=2, timeout_s=10.0, on_error="zero", tokenizer="",
+                              ctx=ctx)
+    assert unread["reward_extra"] == [{}] * 5 and torch.equal(unread["token_level_scores"], expected)
+    assert unread["reward_metrics"] == out["reward_metrics"]
 
 
 def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_would():
@@ -288,8 +296,8 @@ def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_w
             responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
         ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=padding[lo:hi],
                               outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None,
-                              chunks=chunks)
-        return w.compute_reward(None, responses, None, ["add"] * (hi - lo), truths[lo:hi], [None] * (hi - lo),
+                              chunks=chunks, wanted=("token_level_scores", "reward_extra", "reward_metrics"))
+        return w.compute_reward(responses, None, ["add"] * (hi - lo), truths[lo:hi], [None] * (hi - lo),
                                 fn=fn, executor="thread", concurrency=2, timeout_s=10.0, on_error="zero",
                                 tokenizer="", ctx=ctx)
 

@@ -76,6 +76,37 @@ def test_a_fast_function_s_call_goes_to_one_thread_and_a_stall_brings_in_the_oth
     assert s.sample_s is None  # it stalled: the next call starts on every thread again
 
 
+def test_without_a_time_limit_a_fast_call_is_scored_on_the_caller_s_thread():
+    # no limit to enforce: once a call's measured work fits one thread, the next call scores on the caller's
+    # thread (no hand-off), with the same results and errors per sample; a function that turned slow goes
+    # back to the threads, and with a limit a call never runs on the caller's thread
+    s = RewardScorer(f"{FNS}:where_scored", executor="thread", concurrency=4, timeout_s=0)
+    seen, delay = s.fn.__globals__["SCORED_ON"], s.fn.__globals__["DELAY_S"]
+    gts = ["0", "2", "boom", "4"]
+    first = _score(s, gts)
+    assert {name for name, _ in seen} != {threading.current_thread().name}  # unmeasured: on the threads
+    assert 0 < s.sample_s < 1e-3
+    seen.clear()
+    second = _score(s, gts)
+    assert [gt for _, gt in seen] == gts and {name for name, _ in seen} == {threading.current_thread().name}
+    for a, b in zip(first, second):
+        assert (a.score, a.extra, a.error, a.timed_out) == (b.score, b.extra, b.error, b.timed_out)
+    assert second[2].error == "ValueError: boom" and [o.score for o in second] == [1.0, 1.0, 0.0, 1.0]
+    delay[0] = 0.001  # 4 ms for the call: more than one thread's budget
+    _score(s, gts)
+    seen.clear()
+    _score(s, gts)
+    assert threading.current_thread().name not in {name for name, _ in seen}  # back on the threads
+    delay[0] = 0.0
+    limited = RewardScorer(f"{FNS}:where_scored", executor="thread", concurrency=4, timeout_s=10)
+    _score(limited, gts)
+    seen.clear()
+    _score(limited, gts)
+    assert threading.current_thread().name not in {name for name, _ in seen}
+    s.close()
+    limited.close()
+
+
 def test_samples_are_scored_once_each_on_many_threads_with_the_results_in_order():
     s = RewardScorer(f"{FNS}:slow", executor="thread", concurrency=8)
     gts = [str(i) for i in range(40)]

@@ -47,7 +47,8 @@ def test_hf_rollout_log_probs_are_each_token_s_log_softmax_of_the_processed_scor
     """hf_parts computes the log-probs one generation step at a time for all rows; they equal each row's own
     log_softmax of the scores generate returns (the same draw, the same seed), to the bit, up to its stop."""
     from rlgraph.ops import models
-    from rlgraph.ops.rollout.parts import cut_lengths, hf_parts, left_pad
+    from rlgraph.ops.rollout.parts import cut_lengths, hf_parts
+    from rlgraph.rows import left_pad
 
     path = models.build_tiny_model(tmp_path / "m", hidden_size=32, num_heads=2, seed=1)
     model, tok = models.load_causal_lm(path), models.load_tokenizer(path, padding_side="left")
@@ -70,33 +71,14 @@ def test_hf_rollout_log_probs_are_each_token_s_log_softmax_of_the_processed_scor
         assert torch.equal(cols["rollout_log_probs"][j], want)
 
 
-def test_left_pad_matches_pad_sequence_left_padding():
-    from rlgraph.ops.rollout.parts import left_pad
-
-    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8], dtype=torch.int32), torch.tensor([1, 2, 3, 4, 9])]
-    ids, mask = left_pad(prompts, pad=0)
-    want = torch.nn.utils.rnn.pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=0,
-                                           padding_side="left")
-    assert ids.dtype == torch.long and torch.equal(ids, want)
-    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1]]
-
-
-def test_trimmed_rows_cuts_each_row_to_its_length():
-    from rlgraph.ops.rollout.parts import trimmed_rows
-
-    padded = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
-    assert [r.tolist() for r in trimmed_rows(padded, [2, 1, 3])] == [[1, 2], [3], [4, 5, 6]]
-    assert [r.tolist() for r in trimmed_rows(padded, [0, 0, 1])] == [[], [], [4]]
-    assert trimmed_rows(padded[:0], []) == []
-
-
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3), (0.0, 0)])
 def test_hf_parts_draw_what_generate_draws_with_keyword_arguments(tmp_path, temperature, top_k):
     """hf_parts hands generate a cached GenerationConfig and seeds only the device it samples on; the
     samples equal generate's with the same settings as keyword arguments after torch.manual_seed,
     also where the model's own generation_config sets top_k and top_p (rlgraph's top_k=0 means none)."""
     from rlgraph.ops import models
-    from rlgraph.ops.rollout.parts import cut_lengths, hf_parts, left_pad
+    from rlgraph.ops.rollout.parts import cut_lengths, hf_parts
+    from rlgraph.rows import left_pad
     from rlgraph.seeds import stable_seed
 
     path = models.build_tiny_model(tmp_path / "m", hidden_size=32, num_heads=2, seed=1)

@@ -4,6 +4,7 @@ and decode gives what `assemble_rows` gives for the same rows (the rule both bac
 import pytest
 import torch
 
+from rlgraph.rows import Rows
 from rlgraph.runtime.dataplane import cells
 from rlgraph.runtime.dataplane.base import DataPlaneError, _normalize, assemble_rows
 
@@ -42,6 +43,11 @@ def test_ragged_rows_come_back_as_the_same_per_row_tensors():
     rows = [torch.arange(n, dtype=torch.int64) for n in (3, 1, 0, 5)]
     _, back = _round_trip(rows, 4)
     _same(rows, back)
+    assert type(back) is Rows and back.lengths == [3, 1, 0, 5]  # 1-D rows: views of one flat tensor
+    kept = Rows(torch.cat(rows), [3, 1, 0, 5])  # the same rows as `Rows`: the same cells, from its flat tensor
+    assert cells.encode(_normalize("c", kept, 4)) == cells.encode(_normalize("c", rows, 4))
+    same = Rows(torch.arange(6), [3, 3])  # rows of one length: dense, as a list of them would be
+    _same(_normalize("c", same, 2).value, torch.arange(6).view(2, 3))
     grid = [torch.randn(n, 3) for n in (2, 4, 1)]  # rows of two dimensions
     _, back = _round_trip(grid, 3)
     _same(grid, back)

@@ -9,6 +9,7 @@ import torch
 
 from rlgraph import compile
 from rlgraph.graph.loader import load_pipeline
+from rlgraph.rows import Rows
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.worker import local_columns
 
@@ -28,6 +29,10 @@ def test_values_come_back_as_a_plane_get_returns_them():
     assert got["text"] == ["c", "a"]
     got["info"][0]["k"] = 99  # a body changing what it was given changes nothing kept
     assert local.take("p", [6], ["info"])["info"] == [{"k": 3}]
+    kept = Rows(torch.arange(4), [1, 3])  # ragged rows of one tensor, read whole: as they are (padded once)
+    local.keep("q", [0, 1], {"r": kept})
+    assert local.take("q", [0, 1], ["r"])["r"] is kept
+    assert [t.tolist() for t in local.take("q", [1], ["r"])["r"]] == [[1, 2, 3]]  # some rows: a plain get
 
 
 def test_only_columns_held_for_every_row_are_served():
@@ -85,12 +90,12 @@ def test_with_every_op_on_the_actor_no_column_of_the_step_reaches_the_plane():
     # examples/grpo.py as it is: the reward, the reference and the advantage ride in generation's calls and the
     # update runs on the same single rank; the summaries (score, response_length) travel as each row's sum
     kept, private = local_columns(_grpo(reward_group=False), "actor")
-    assert kept == private and {"prompts", "responses", "response_mask", "token_level_scores", "advantages",
+    assert kept == private and {"responses", "response_mask", "token_level_scores", "advantages",
                                 "ref_log_prob"} <= private
     # two ranks: a column read only inside the chain that writes it stays private (its readers run in the
     # writer's call, on its rows); what the update reads may be on the other rank
     kept, private = local_columns(_grpo("groups.actor.dp=2", "data.batch_size=16", reward_group=False), "actor")
-    assert private == {"prompts", "token_level_scores"} and "advantages" in kept
+    assert private == {"token_level_scores"} and "advantages" in kept
 
 
 def test_nothing_is_private_with_dynamic_sampling():

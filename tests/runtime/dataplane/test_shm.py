@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from rlgraph.rows import Rows
 from rlgraph.runtime.dataplane import cells, shm
 from rlgraph.runtime.dataplane.base import DataPlaneError, _normalize, assemble_rows
 
@@ -72,6 +73,12 @@ def test_large_columns_go_through_a_segment_and_come_back_exactly(segments, pref
     ragged_cells = _put(segments, "p", ragged=ragged)["ragged"]
     _same(cells.decode(ragged_cells, segments), ragged)
     assert len(_files(prefix)) == 2  # one segment per put
+    # the same rows as `Rows` (views of one flat tensor): written from that tensor, the same cells, and
+    # read back as `Rows` over the segment, padded without joining them again
+    kept = Rows(torch.cat(ragged), [r.shape[0] for r in ragged])
+    back = cells.decode(_put(segments, "q", ragged=kept)["ragged"], segments)
+    _same(back, ragged)
+    assert type(back) is Rows and torch.equal(back.padded(), torch.nn.utils.rnn.pad_sequence(ragged, batch_first=True))
 
 
 def test_rows_in_any_order_and_mixed_with_byte_rows_decode_as_assemble_rows_says(segments):

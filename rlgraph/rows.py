@@ -1,0 +1,116 @@
+"""Rows of a ragged column: padding them into one tensor and cutting them out of one.
+
+An op receives a ragged column (``responses``, ``[response_len]``) right-padded with zeros into
+one tensor and returns it the same way; between ops the runtime keeps and moves it as one tensor
+per row, each cut to its length. A column read by several ops (``responses`` by the reward, the
+reference pass and the update) is cut once and padded again for every reader. `Rows` saves the
+padding: the per-row tensors are views into one flat tensor, and a `Rows` keeps that tensor and
+the lengths, so it can give the padded batch in one masked write, once (``padded``), without
+joining the rows first. It is a list, so every reader of per-row tensors reads it as before.
+
+A `Rows` changed in place (a row replaced, rows added) forgets its flat tensor and pads its rows
+as any list's. Pickled, it is a plain list: the flat tensor never travels twice.
+
+Nothing here depends on the rest of rlgraph: the runtime (`rlgraph.runtime.invoke`, the data
+plane) and the rollout (`rlgraph.ops.rollout.parts`) both use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Rows", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
+
+
+class Rows(list):
+    """1-D rows that are views into `flat`, in order, of `lengths` elements each (see the module)."""
+
+    __slots__ = ("flat", "lengths", "_padded")
+
+    def __init__(self, flat: torch.Tensor, lengths: Sequence[int]) -> None:
+        lengths = list(lengths)
+        super().__init__(flat.split(lengths) if lengths else ())
+        self.flat: torch.Tensor | None = flat
+        self.lengths = lengths
+        self._padded: torch.Tensor | None = None
+
+    def padded(self) -> torch.Tensor:
+        """The rows right-padded with zeros, ``[rows, longest]`` (as ``pad_sequence`` gives them),
+        made once; the caller must not change it in place (clone it for a body)."""
+        if self._padded is None:
+            self._padded = pad_flat(self.flat, self.lengths) if self.flat is not None else pad_rows(list(self))
+        return self._padded
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (list(self),)
+
+    def __copy__(self) -> list:
+        return list(self)
+
+
+def _forgetting(name: str) -> Any:
+    base = getattr(list, name)
+
+    def method(self: Rows, *args: Any, **kwargs: Any) -> Any:
+        self.flat, self._padded = None, None  # the rows no longer are `flat`'s views, in order
+        return base(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+              "clear", "sort", "reverse"):
+    setattr(Rows, _name, _forgetting(_name))
+
+
+def pad_flat(flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Rows of `lengths` elements, one after another in 1-D `flat`, right-padded with zeros to
+    ``[len(lengths), longest]`` in one masked write (row-major: each row's elements, in order)."""
+    width = max(lengths, default=0)
+    out = flat.new_zeros((len(lengths), width))
+    if width:
+        out[torch.arange(width) < torch.tensor(lengths).unsqueeze(1)] = flat
+    return out
+
+
+def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """1-D rows right-padded with zeros to ``[len(rows), longest]`` (what ``pad_sequence`` gives),
+    in one copy into place, not one per row; a `Rows` without joining its rows again. None when the
+    rows are not all 1-D. The joined rows tell that without a look at each row: ``cat`` refuses 0-d
+    rows and rows of different numbers of dimensions, and gives 1-D only for 1-D rows."""
+    if type(rows) is Rows and rows.flat is not None:
+        return rows.padded()
+    try:
+        flat = torch.cat(list(rows))
+    except RuntimeError:
+        return None
+    if flat.dim() != 1:
+        return None
+    return pad_flat(flat, [r.shape[0] for r in rows])  # not len(r): a tensor's __len__ is Python, ~1 us
+
+
+def trimmed_rows(padded: torch.Tensor, lengths: Sequence[int]) -> Rows | list:
+    """Each row of right-padded `padded` [rows, width] cut to its length (each at most the width):
+    one masked copy, split into views (a slice a row took 0.24 ms for 128 rows, this 0.09)."""
+    lengths = list(lengths)
+    if not lengths:
+        return []
+    keep = torch.arange(padded.shape[1]) < torch.tensor(lengths).unsqueeze(1)
+    return Rows(padded[keep], lengths)
+
+
+def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompts` as one left-padded batch (generation continues from the last column) and its
+    attention mask, both ``long`` [rows, longest prompt]: the rows joined, then written into place
+    by one masked assignment (``pad_sequence``'s left padding took 0.3 ms for 128 rows)."""
+    lengths = torch.tensor([p.shape[0] for p in prompts], dtype=torch.long)
+    width = int(lengths.max()) if len(prompts) else 0
+    mask = (torch.arange(width) >= (width - lengths).unsqueeze(1)).long()
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    if width:
+        flat = prompts.flat if type(prompts) is Rows and prompts.flat is not None else torch.cat(list(prompts))
+        ids[mask.bool()] = flat.long()  # row-major: each row's tokens fill its last columns
+    return ids, mask

@@ -1,0 +1,76 @@
+"""Ragged rows: padding them into one tensor, cutting them out of one, and `Rows`, which keeps both."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from rlgraph.rows import Rows, left_pad, pad_flat, pad_rows, trimmed_rows
+
+
+def _pad_sequence(rows):
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=0)
+
+
+@pytest.mark.parametrize("lengths", [[3, 1, 4, 0, 2], [0, 0], [5]])
+def test_ragged_token_rows_are_padded_as_pad_sequence_pads_them(lengths):
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(1, 9, (n,), generator=g) for n in lengths]
+    assert torch.equal(pad_rows(rows), _pad_sequence(rows))
+    flat = torch.cat(rows)
+    assert torch.equal(pad_flat(flat, lengths), _pad_sequence(rows))
+    kept = Rows(flat, lengths)
+    assert [r.tolist() for r in kept] == [r.tolist() for r in rows]
+    assert torch.equal(kept.padded(), _pad_sequence(rows)) and kept.padded() is kept.padded()  # made once
+    assert pad_rows(kept) is kept.padded()
+
+
+def test_rows_that_are_not_all_one_dimensional_are_not_padded_here():
+    assert pad_rows([torch.ones(2, 3), torch.ones(1, 3)]) is None  # 2-D rows: pad_sequence pads them
+    assert pad_rows([torch.tensor(1.0), torch.tensor(2.0)]) is None  # 0-d rows
+    assert pad_rows([torch.ones(2), torch.ones(1, 2)]) is None  # mixed
+
+
+def test_rows_changed_in_place_forget_their_flat_tensor_and_pad_what_they_hold():
+    rows = Rows(torch.arange(6), [2, 1, 3])
+    assert rows.padded().tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
+    rows[1] = torch.tensor([7, 7, 7, 7])
+    assert rows.flat is None and rows.padded().tolist() == [[0, 1, 0, 0], [7, 7, 7, 7], [3, 4, 5, 0]]
+    more = Rows(torch.arange(3), [1, 2])
+    more.append(torch.tensor([9]))
+    assert more.flat is None and more.padded().tolist() == [[0, 0], [1, 2], [9, 0]]
+    for change in (lambda r: r.reverse(), lambda r: r.pop(), lambda r: r.extend([torch.tensor([1])]),
+                   lambda r: r.insert(0, torch.tensor([1])), lambda r: r.__delitem__(0), lambda r: r.clear()):
+        r = Rows(torch.arange(3), [1, 2])
+        change(r)
+        assert r.flat is None
+
+
+def test_rows_pickle_and_copy_as_plain_lists():
+    # the flat tensor never travels beside its own views (a Ray call, a checkpoint)
+    rows = Rows(torch.arange(5), [2, 3])
+    for other in (pickle.loads(pickle.dumps(rows)), copy.copy(rows), copy.deepcopy(rows)):
+        assert type(other) is list and [r.tolist() for r in other] == [[0, 1], [2, 3, 4]]
+    assert len(pickle.dumps(rows)) < len(pickle.dumps([rows.flat, list(rows)]))
+
+
+def test_trimmed_rows_cuts_each_row_to_its_length():
+    padded = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
+    rows = trimmed_rows(padded, [2, 1, 3])
+    assert type(rows) is Rows and [r.tolist() for r in rows] == [[1, 2], [3], [4, 5, 6]]
+    assert [r.tolist() for r in trimmed_rows(padded, [0, 0, 1])] == [[], [], [4]]
+    assert trimmed_rows(padded[:0], []) == []
+    junk = torch.tensor([[1, 2, 8], [3, 8, 8]])  # what lies beyond a row's length is not kept
+    assert trimmed_rows(junk, [2, 1]).padded().tolist() == [[1, 2], [3, 0]]
+
+
+def test_left_pad_matches_pad_sequence_left_padding():
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8], dtype=torch.int32), torch.tensor([1, 2, 3, 4, 9])]
+    ids, mask = left_pad(prompts, pad=0)
+    want = torch.nn.utils.rnn.pad_sequence([p.long() for p in prompts], batch_first=True, padding_value=0,
+                                           padding_side="left")
+    assert ids.dtype == torch.long and torch.equal(ids, want)
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1]]
+    kept = Rows(torch.cat([p.long() for p in prompts]), [3, 1, 5])  # from the flat tensor, the same batch
+    assert all(torch.equal(a, b) for a, b in zip(left_pad(kept, pad=0), (ids, mask)))
