@@ -8,8 +8,11 @@ padding: the per-row tensors are views into one flat tensor, and a `Rows` keeps 
 the lengths, so it can give the padded batch in one masked write, once (``padded``), without
 joining the rows first. It is a list, so every reader of per-row tensors reads it as before.
 
-A `Rows` changed in place (a row replaced, rows added) forgets its flat tensor and pads its rows
-as any list's. Pickled, it is a plain list: the flat tensor never travels twice.
+A `Rows` is read, never changed: a reader that changes a row tensor in place changes what every
+later reader gets (as with any list of row tensors kept by the runtime), and the kept padding does
+not follow. A `Rows` changed as a list (a row replaced, rows added) forgets its flat tensor and pads
+its rows as any list's. Pickled, it is a plain list of views of its flat tensor, which is written
+once (a list of views would write the whole flat tensor once a row).
 
 Nothing here depends on the rest of rlgraph: the runtime (`rlgraph.runtime.invoke`, the data
 plane) and the rollout (`rlgraph.ops.rollout.parts`) both use it.
@@ -30,6 +33,9 @@ class Rows(list):
     __slots__ = ("flat", "lengths", "_padded")
 
     def __init__(self, flat: torch.Tensor, lengths: Sequence[int]) -> None:
+        if flat.dim() != 1:
+            raise ValueError(f"Rows takes a 1-D flat tensor of the rows one after another, got shape "
+                             f"{tuple(flat.shape)}")
         lengths = list(lengths)
         super().__init__(flat.split(lengths) if lengths else ())
         self.flat: torch.Tensor | None = flat
@@ -37,17 +43,29 @@ class Rows(list):
         self._padded: torch.Tensor | None = None
 
     def padded(self) -> torch.Tensor:
-        """The rows right-padded with zeros, ``[rows, longest]`` (as ``pad_sequence`` gives them),
-        made once; the caller must not change it in place (clone it for a body)."""
-        if self._padded is None:
-            self._padded = pad_flat(self.flat, self.lengths) if self.flat is not None else pad_rows(list(self))
-        return self._padded
+        """The rows right-padded with zeros, ``[rows, longest]`` (as ``pad_sequence`` gives them); the
+        caller must not change it in place (clone it for a body). Kept for the next reader unless the
+        padding would more than double the rows' memory (a long tail of lengths): then made anew each time."""
+        if self._padded is not None:
+            return self._padded
+        padded = pad_flat(self.flat, self.lengths) if self.flat is not None else pad_rows(list(self))
+        if padded is not None and padded.numel() <= 2 * max(sum(self.lengths) if self.flat is not None
+                                                          else padded.numel(), 1):
+            self._padded = padded
+        return padded
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.flat is not None:  # the flat tensor once (a view's pickle holds its whole storage)
+            return _split, (self.flat, self.lengths)
         return list, (list(self),)
 
     def __copy__(self) -> list:
         return list(self)
+
+
+def _split(flat: torch.Tensor, lengths: list[int]) -> list:
+    """An unpickled `Rows`: a plain list of views of `flat`."""
+    return list(flat.split(lengths)) if lengths else []
 
 
 def _forgetting(name: str) -> Any:
@@ -60,6 +78,8 @@ def _forgetting(name: str) -> Any:
     method.__name__ = name
     return method
 
+
+torch.serialization.add_safe_globals([_split])  # a `Rows` in a torch.save'd file loads with weights_only
 
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
               "clear", "sort", "reverse"):

@@ -52,7 +52,9 @@ def test_rows_pickle_and_copy_as_plain_lists():
     rows = Rows(torch.arange(5), [2, 3])
     for other in (pickle.loads(pickle.dumps(rows)), copy.copy(rows), copy.deepcopy(rows)):
         assert type(other) is list and [r.tolist() for r in other] == [[0, 1], [2, 3, 4]]
-    assert len(pickle.dumps(rows)) < len(pickle.dumps([rows.flat, list(rows)]))
+    changed = Rows(torch.arange(5), [2, 3])
+    changed.append(torch.tensor([7]))  # no flat tensor left: its rows, as a list's
+    assert [r.tolist() for r in pickle.loads(pickle.dumps(changed))] == [[0, 1], [2, 3, 4], [7]]
 
 
 def test_trimmed_rows_cuts_each_row_to_its_length():
@@ -74,3 +76,30 @@ def test_left_pad_matches_pad_sequence_left_padding():
     assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1]]
     kept = Rows(torch.cat([p.long() for p in prompts]), [3, 1, 5])  # from the flat tensor, the same batch
     assert all(torch.equal(a, b) for a, b in zip(left_pad(kept, pad=0), (ids, mask)))
+
+
+def test_rows_pickle_their_flat_tensor_once():
+    import io
+
+    flat = torch.arange(100_000, dtype=torch.int64)
+    rows = Rows(flat, [25_000] * 4)
+    size = len(pickle.dumps(rows))
+    assert size < 1.5 * flat.numel() * 8  # a list of views pickles the whole storage once a row
+    assert len(pickle.dumps(list(rows))) > 3 * flat.numel() * 8
+    buf = io.BytesIO()
+    torch.save(rows, buf)
+    buf.seek(0)
+    back = torch.load(buf)
+    assert type(back) is list and all(torch.equal(a, b) for a, b in zip(back, rows))
+
+
+def test_padding_is_kept_only_where_it_costs_little_memory():
+    even = Rows(torch.arange(12), [4, 4, 3, 1])
+    assert even.padded() is even.padded()  # 16 padded for 12: kept
+    tail = Rows(torch.arange(1_003), [1, 1, 1, 1_000])  # 4,000 padded for 1,003: made anew each time
+    assert torch.equal(tail.padded(), tail.padded()) and tail.padded() is not tail.padded()
+
+
+def test_only_a_one_dimensional_flat_tensor_makes_rows():
+    with pytest.raises(ValueError, match="1-D"):
+        Rows(torch.zeros(2, 3), [1, 1])

@@ -145,8 +145,8 @@ def to_call_value(col: ColumnPlan, values: Any) -> Any:
         return list(values) if isinstance(values, tuple) else values
     if isinstance(values, torch.Tensor):
         return values
-    if type(values) is Rows and values.flat is not None and values:  # padded once for all its readers
-        padded, dtype = values.padded(), TORCH_DTYPES[col.dtype]
+    if type(values) is Rows and values.flat is not None and values and any(isinstance(d, str) for d in col.shape):
+        padded, dtype = values.padded(), TORCH_DTYPES[col.dtype]  # padded once for all its readers
         return padded.clone() if padded.dtype is dtype else padded.to(dtype)  # the body may change its copy
     rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
     if not rows:

@@ -280,6 +280,9 @@ def test_ragged_rows_are_padded_once_for_all_their_readers_and_each_reader_gets_
     assert to_call_value(col, rows).tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
     as_float = to_call_value(col.model_copy(update={"dtype": "float32"}), rows)
     assert as_float.dtype == torch.float32 and as_float.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
+    fixed = col.model_copy(update={"shape": [3]})  # rows of a fixed shape are stacked, never padded
+    with pytest.raises(RuntimeError):
+        to_call_value(fixed, rows)
 
 
 def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():

@@ -86,8 +86,7 @@ class RewardWorker:
                 f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
         score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
         token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
-        # the extras column, where an op or the pipeline reads it (else one empty record for every row)
-        reward_extra: list[dict] = [{} for _ in range(rows)] if extra_col in ctx.wanted else [{}] * rows
+        reward_extra: list[dict] = [{} for _ in range(rows)]  # filled where an op or the pipeline reads it
         scored: list[int] = []  # rows whose score goes on their last response token
         scores: list[float] = []
         for i, o in zip(real, outcomes):

@@ -258,15 +258,22 @@ class RewardScorer:
         """Score one sample after another on the calling thread: for a call without a time limit whose
         measured work fits one thread (`RUN_BUDGET_S`), where a hand-off to a thread and back costs
         more than the scoring (a 128-sample call of the addition task: 0.04 ms of scoring, 0.25 ms on
-        a thread). No limit means none to enforce, so nothing here needs a thread that can be left behind."""
+        a thread). No limit means none to enforce, so nothing here needs a thread that can be left behind.
+        A function that turned slow hands the call's samples left to the threads once the call has taken
+        `RUN_BUDGET_S` (they score them concurrently, as the call would have gone had it been measured so)."""
         fn, (sources, solutions, truths, extras), clock = self.fn, columns, time.monotonic
         out: list[tuple[str, Any, float]] = []
+        start = clock()
         for i in range(len(sources)):
+            if i and clock() - start > RUN_BUDGET_S:
+                return out + self._run_threads(tuple(c[i:] for c in columns))
             t0 = clock()
             try:
                 out.append(("ok", fn(data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i],
                                      extra_info=extras[i]), clock() - t0))
-            except (Exception, SystemExit) as e:  # the user's function failed: per sample, as on a thread
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - the user's function failed: per sample, as on a thread
                 out.append(("error", _describe(e), clock() - t0))
         self.sample_s = sum(r[2] for r in out) / len(out)
         return out

@@ -6,7 +6,9 @@ already holds the values it just wrote. `LocalColumns` keeps, per partition, the
 of the columns an op of the worker's group reads, exactly as the plane's ``get`` would return
 them (the same normalisation on the way in, `assemble_rows` on the way out, JSON objects copied),
 so a read served here is indistinguishable from one served by the plane, only cheaper: no
-serialisation, no socket, no copy but the final stack.
+serialisation, no socket, no copy but the final stack. A ragged column one call wrote as `Rows`
+(rlgraph.rows), read whole, is handed out as kept, not copied: its readers read it (an op gets it
+padded, its own copy), and its padding, made by the first, serves the others.
 
 The worker forgets a partition when the driver clears it (`rlgraph.runtime.fleet.Fleet.clear`,
 sent after the step's calls, so a call still running is never robbed). Rows missing here (another

@@ -92,11 +92,15 @@ def test_without_a_time_limit_a_fast_call_is_scored_on_the_caller_s_thread():
     for a, b in zip(first, second):
         assert (a.score, a.extra, a.error, a.timed_out) == (b.score, b.extra, b.error, b.timed_out)
     assert second[2].error == "ValueError: boom" and [o.score for o in second] == [1.0, 1.0, 0.0, 1.0]
-    delay[0] = 0.001  # 4 ms for the call: more than one thread's budget
-    _score(s, gts)
+    delay[0] = 0.004  # 16 ms for the call: more than one thread's budget (2 ms)
+    seen.clear()
+    slowed = _score(s, gts)  # started here; the samples left once 2 ms had passed go to the threads
+    assert [gt for _, gt in seen][:1] == ["0"] and seen[0][0] == threading.current_thread().name
+    assert threading.current_thread().name not in {name for name, _ in seen[-2:]}
+    assert [o.score for o in slowed] == [1.0, 1.0, 0.0, 1.0] and slowed[2].error == "ValueError: boom"
     seen.clear()
     _score(s, gts)
-    assert threading.current_thread().name not in {name for name, _ in seen}  # back on the threads
+    assert threading.current_thread().name not in {name for name, _ in seen}  # measured slow: on the threads
     delay[0] = 0.0
     limited = RewardScorer(f"{FNS}:where_scored", executor="thread", concurrency=4, timeout_s=10)
     _score(limited, gts)
