@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Rows", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
+__all__ = ["Rows", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
 
 
 class Rows(list):
@@ -49,8 +49,7 @@ class Rows(list):
         if self._padded is not None:
             return self._padded
         padded = pad_flat(self.flat, self.lengths) if self.flat is not None else pad_rows(list(self))
-        if padded is not None and padded.numel() <= 2 * max(sum(self.lengths) if self.flat is not None
-                                                          else padded.numel(), 1):
+        if padded is not None and (self.flat is None or padded.numel() <= 2 * max(self.flat.numel(), 1)):
             self._padded = padded
         return padded
 
@@ -84,6 +83,17 @@ torch.serialization.add_safe_globals([_split])  # a `Rows` in a torch.save'd fil
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
               "clear", "sort", "reverse"):
     setattr(Rows, _name, _forgetting(_name))
+
+
+def joined(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The rows' elements one after another, row-major, as one 1-D tensor: a `Rows`'s flat tensor as
+    it is, else one ``cat`` (rows of different numbers of dimensions, or 0-d ones, flattened first)."""
+    if type(rows) is Rows and rows.flat is not None:
+        return rows.flat
+    try:
+        return torch.cat(list(rows)).reshape(-1)  # rows of one number of dimensions: row-major already
+    except RuntimeError:
+        return torch.cat([r.reshape(-1) for r in rows])
 
 
 def pad_flat(flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

@@ -103,3 +103,15 @@ def test_padding_is_kept_only_where_it_costs_little_memory():
 def test_only_a_one_dimensional_flat_tensor_makes_rows():
     with pytest.raises(ValueError, match="1-D"):
         Rows(torch.zeros(2, 3), [1, 1])
+
+
+def test_joined_rows_are_their_elements_row_major():
+    from rlgraph.rows import joined
+
+    kept = Rows(torch.arange(5), [2, 3])
+    assert joined(kept) is kept.flat
+    cases = [[torch.arange(3), torch.arange(2)], [torch.ones(2, 3), torch.zeros(1, 3)],
+             [torch.ones(2, 3), torch.zeros(1, 4)], [torch.tensor(1.0), torch.tensor(2.0)],
+             [torch.ones(2), torch.zeros(1, 2)]]
+    for rows in cases:
+        assert torch.equal(joined(rows), torch.cat([r.reshape(-1) for r in rows]))

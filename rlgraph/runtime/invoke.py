@@ -145,13 +145,14 @@ def to_call_value(col: ColumnPlan, values: Any) -> Any:
         return list(values) if isinstance(values, tuple) else values
     if isinstance(values, torch.Tensor):
         return values
-    if type(values) is Rows and values.flat is not None and values and any(isinstance(d, str) for d in col.shape):
+    ragged = any(isinstance(d, str) for d in col.shape)
+    if ragged and type(values) is Rows and values.flat is not None and values:
         padded, dtype = values.padded(), TORCH_DTYPES[col.dtype]  # padded once for all its readers
         return padded.clone() if padded.dtype is dtype else padded.to(dtype)  # the body may change its copy
     rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
     if not rows:
         return torch.empty((0,), dtype=TORCH_DTYPES[col.dtype])
-    if any(isinstance(d, str) for d in col.shape):
+    if ragged:
         padded = pad_rows(rows)
         if padded is None:
             padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
@@ -217,7 +218,7 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
             raise OpError(f"op {op.name!r}: output {name!r} has {value.shape[0]} rows, but the call's inputs give "
                           f"{len(lens)} row lengths for {ragged[0][1]!r}")
         if value.dim() == 2:  # token rows: the real tokens in one masked copy, cut into rows (no narrow per row)
-            return trimmed_rows(value, torch.tensor(lens).clamp(max=width).tolist())
+            return trimmed_rows(value, [n if n < width else width for n in lens])
         return [row.narrow(axis, 0, min(n, width)) for row, n in zip(value.unbind(0), lens)]
     if isinstance(value, torch.Tensor):
         return value.to(dtype)

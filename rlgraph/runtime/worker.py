@@ -25,7 +25,7 @@ import torch
 
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.plan import Plan
-from rlgraph.rows import Rows
+from rlgraph.rows import Rows, joined
 from rlgraph.runtime.dataplane import assemble_rows, count_locality, counted_apart, locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
@@ -224,27 +224,18 @@ def _chunk_metrics(plan: Plan, op: Any, outs: list[dict[str, Any]], n_chunks: in
 
 def _row_sums(value: Any) -> list[float]:
     """Each row's sum, in float64: one reduction for a dense column, and for a list of row tensors
-    one scatter-add over their concatenation (not a reduction per row; a `Rows`'s flat tensor as it is)."""
+    one scatter-add over their elements joined (`rlgraph.rows.joined`: a `Rows`'s flat tensor as it is)."""
     if isinstance(value, torch.Tensor):
         return value.reshape(value.shape[0], -1).double().sum(dim=1).tolist()
-    if type(value) is Rows and value.flat is not None:  # 1-D rows, one after another in its flat tensor
-        n, flat, sizes = len(value), value.flat, value.lengths
+    if type(value) is Rows and value.flat is not None:
+        rows, sizes = value, value.lengths
     else:
         rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in value]
-        n = len(rows)
-        try:  # 1-D rows (token rows, the common case) as they are: `cat` gives 1-D only for 1-D rows
-            flat = torch.cat(rows) if rows else None
-        except RuntimeError:  # 0-d rows, or rows of different numbers of dimensions
-            flat = None
-        if flat is not None and flat.dim() == 1:
-            sizes = [r.shape[0] for r in rows]
-        else:
-            parts = [r.reshape(-1) for r in rows]
-            flat, sizes = (torch.cat(parts) if parts else None), [p.shape[0] for p in parts]
-    if not n:
+        sizes = [r.numel() for r in rows]
+    if not rows:
         return []
-    owner = torch.repeat_interleave(torch.arange(n), torch.tensor(sizes))
-    return torch.zeros(n, dtype=torch.float64).index_add_(0, owner, flat.double()).tolist()
+    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(sizes))
+    return torch.zeros(len(rows), dtype=torch.float64).index_add_(0, owner, joined(rows).double()).tolist()
 
 
 class GroupWorker:

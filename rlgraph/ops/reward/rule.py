@@ -86,17 +86,18 @@ class RewardWorker:
                 f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
         score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
         token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
-        reward_extra: list[dict] = [{} for _ in range(rows)]  # filled where an op or the pipeline reads it
+        reward_extra: list[dict] = [{} for _ in range(rows)]
+        keep_extra = extra_col in ctx.wanted  # filled where an op or the pipeline reads it
         scored: list[int] = []  # rows whose score goes on their last response token
         scores: list[float] = []
         for i, o in zip(real, outcomes):
             if o.error is not None:
-                if extra_col in ctx.wanted:
+                if keep_extra:
                     reward_extra[i] = {**o.extra, "reward_error": o.error}
                 if on_error == "drop_group":
                     ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
                 continue
-            if o.extra and extra_col in ctx.wanted:
+            if o.extra and keep_extra:
                 reward_extra[i] = dict(o.extra)
             if lengths[i] > 0:
                 scored.append(i)

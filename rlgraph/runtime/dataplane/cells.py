@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from rlgraph.rows import Rows
+from rlgraph.rows import Rows, joined
 from rlgraph.runtime.dataplane.base import ColumnData, DataPlaneError, _Column, _nbytes
 
 __all__ = ["any_shared", "decode", "encode", "payload_nbytes", "shared", "write"]
@@ -94,7 +94,7 @@ def encode(col: _Column) -> list[bytes]:
         return [head + data[i * n:(i + 1) * n] for i in range(rows)]
     if col.kind == "ragged":
         values: list[torch.Tensor] = col.value
-        data = _raw(_joined(values))
+        data = _raw(joined(values))
         size = values[0].element_size()
         heads: dict[tuple[int, ...], bytes] = {}
         out = []
@@ -198,13 +198,6 @@ def _one_thread() -> Iterator[int]:
         yield n
     finally:
         torch.set_num_threads(n)
-
-
-def _joined(values: list[torch.Tensor]) -> torch.Tensor:
-    """A ragged column's rows, one after another, flat (a `Rows`'s own flat tensor as it is)."""
-    if type(values) is Rows and values.flat is not None:
-        return values.flat
-    return torch.cat(values if values[0].dim() == 1 else [v.reshape(-1) for v in values])
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
