@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Rows", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
+__all__ = ["Rows", "rows_of", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
 
 
 class Rows(list):
@@ -52,6 +52,14 @@ class Rows(list):
         if padded is not None and (self.flat is None or padded.numel() <= 2 * max(self.flat.numel(), 1)):
             self._padded = padded
         return padded
+
+    def shared(self) -> Rows:
+        """A new `Rows` of the same row tensors (no copy, no new views): a list of its own for a reader,
+        which may change the list but not the tensors. Only for a `Rows` that still has its flat tensor."""
+        out = Rows.__new__(Rows)
+        list.extend(out, self)
+        out.flat, out.lengths, out._padded = self.flat, self.lengths, self._padded
+        return out
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.flat is not None:  # the flat tensor once (a view's pickle holds its whole storage)
@@ -83,6 +91,28 @@ torch.serialization.add_safe_globals([_split])  # a `Rows` in a torch.save'd fil
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
               "clear", "sort", "reverse"):
     setattr(Rows, _name, _forgetting(_name))
+
+
+def rows_of(values: Any, dtype: torch.dtype) -> Rows:
+    """A ragged column's stored values (a `Rows`, a list of 1-D row tensors, or one dense ``[rows, width]``
+    tensor when every row had the same length) as a `Rows` of `dtype`: a `Rows` of that dtype shares its
+    row tensors (`Rows.shared`), anything else is joined (or converted) once and cut into views."""
+    if type(values) is Rows and values.flat is not None:
+        if values.flat.dtype is dtype:
+            return values.shared()
+        return Rows(values.flat.to(dtype), values.lengths)
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 2:
+            raise ValueError(f"rows of one ragged dimension come as a [rows, width] tensor, got shape "
+                             f"{tuple(values.shape)}")
+        return Rows(values.to(dtype).reshape(-1), [values.shape[1]] * values.shape[0])
+    rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
+    if any(r.dim() != 1 for r in rows):
+        raise ValueError(f"rows of one ragged dimension are 1-D tensors, got shapes "
+                         f"{sorted({tuple(r.shape) for r in rows if r.dim() != 1})}")
+    if not rows:
+        return Rows(torch.empty((0,), dtype=dtype), [])
+    return Rows(torch.cat(rows).to(dtype), [r.shape[0] for r in rows])
 
 
 def joined(rows: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -115,3 +115,26 @@ def test_joined_rows_are_their_elements_row_major():
              [torch.ones(2), torch.zeros(1, 2)]]
     for rows in cases:
         assert torch.equal(joined(rows), torch.cat([r.reshape(-1) for r in rows]))
+
+
+def test_rows_of_gives_any_stored_form_of_a_column_as_rows_sharing_what_it_can():
+    from rlgraph.rows import rows_of
+
+    kept = Rows(torch.tensor([1, 2, 3, 4]), [1, 3])
+    kept.padded()
+    shared = rows_of(kept, torch.int64)
+    assert shared is not kept and shared.flat is kept.flat and shared[1] is kept[1]  # no copy, no new views
+    assert shared.padded() is kept.padded()  # the padding made for one reader is the next one's
+    shared.append(torch.tensor([9]))  # the reader's list is its own
+    assert len(kept) == 2 and kept.flat is not None and shared.flat is None
+    as_float = rows_of(kept, torch.float32)
+    assert as_float.flat.dtype == torch.float32 and [r.tolist() for r in as_float] == [[1.0], [2.0, 3.0, 4.0]]
+    dense = rows_of(torch.tensor([[1, 2], [3, 4]]), torch.int64)
+    assert dense.lengths == [2, 2] and [r.tolist() for r in dense] == [[1, 2], [3, 4]]
+    listed = rows_of([torch.tensor([5]), [6, 7], torch.tensor([], dtype=torch.int64)], torch.int64)
+    assert listed.lengths == [1, 2, 0] and listed.flat.tolist() == [5, 6, 7]
+    assert rows_of([], torch.int64).lengths == [] and rows_of([], torch.int64).flat.dtype == torch.int64
+    with pytest.raises(ValueError, match="1-D tensors"):
+        rows_of([torch.ones(2, 2)], torch.float32)
+    with pytest.raises(ValueError, match=r"\[rows, width\]"):
+        rows_of(torch.ones(2, 2, 2), torch.float32)

@@ -76,6 +76,7 @@ def plan_from_graph(g: BuiltGraph, pipeline_ref: str | None = None, reused: Mapp
             lag=staleness(g, o),
             streams=o.streams,
             vectorised=o.vectorised,
+            as_rows=[c for c in connected if c in o.as_rows],
             downstream=[x.name for x in g.pipeline.ops if x.name in g.downstream[o.name]] if drops else [],
             runtime_params=list(o.runtime_params),
             batching=op_batching(g, o, batch_plan),

@@ -209,6 +209,10 @@ class OpSpec:
     # the runtime calls it once with every chunk of a call instead of once per chunk; ctx.chunks gives
     # the chunks' sizes, and a metric output may be a list with one record per chunk (see `op`)
     vectorised: bool = False
+    # ragged 1-D inputs the body is given as their rows (`rlgraph.rows.Rows`: one tensor a row, each its
+    # row's length, views into one flat tensor), not right-padded into one tensor: for a body that reads
+    # each row as it is (decodes it, scores it), which then pays neither the padding nor a cut back
+    as_rows: frozenset[str] = frozenset()
     # the op filters groups and the step refills its batch with more rounds of the ops up to it
     # (dynamic sampling): params ``max_rounds`` and ``on_exhaust`` say how many and what then
     refill: bool = False
@@ -231,6 +235,7 @@ class OpSpec:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "optional_inputs",
                            frozenset(_names_arg(where, "optional_inputs", self.optional_inputs)))
+        object.__setattr__(self, "as_rows", frozenset(_names_arg(where, "as_rows", self.as_rows)))
         if self.group is not None and (not isinstance(self.group, str) or not self.group.isidentifier()):
             hint = (f"; give its name, group={self.group.name!r}" if isinstance(self.group, WorkerGroup)
                     else "; give the name of a WorkerGroup of the pipeline, e.g. group='actor'")
@@ -250,6 +255,16 @@ class OpSpec:
         unknown_opt = self.optional_inputs - set(self.inputs)
         if unknown_opt:
             raise DeclarationError(f"{where}: optional inputs {sorted(unknown_opt)} are not among its inputs")
+        for col in sorted(self.as_rows):
+            ctype = self.inputs.get(col)
+            if ctype is None:
+                raise DeclarationError(f"{where}: as_rows names {col!r}, which is not among its inputs "
+                                       f"{sorted(self.inputs)}")
+            if (len(ctype.shape) != 1 or not isinstance(ctype.shape[0], str) or ctype.level != "sample"
+                    or ctype.kind != "data" or ctype.dtype in ("str", "json", "opaque")):
+                raise DeclarationError(f"{where}: as_rows names {col!r} of type {ctype.describe()}; only a per-sample "
+                                       f"numeric column of one ragged dimension (e.g. int64[response_len]) is given "
+                                       f"as its rows: leave {col!r} out of as_rows to get it padded")
         for col, p in self.params.items():
             if not isinstance(p, Param):
                 raise DeclarationError(f"{where}: param {col!r} must be a Param, got {p!r}")
@@ -336,6 +351,7 @@ def op(
     cost: float = 1.0,
     drops: bool = False,
     vectorised: bool = False,
+    as_rows: Iterable[str] = (),
 ) -> Callable:
     """Declare a function (or a worker-class method) as an operator.
 
@@ -353,6 +369,12 @@ def op(
     finds the chunks' sizes in ``ctx.chunks`` (rows in order) and may give a metric output as a
     list with one record per chunk, so the step's metrics are what per-chunk calls would give;
     ``ctx.seed`` is the first chunk's, so a vectorised body should draw no random numbers.
+
+    ``as_rows`` names ragged inputs of one dimension (``int64[response_len]``) that the body
+    receives as their rows, a `rlgraph.rows.Rows` (a list of 1-D tensors, each its row's length,
+    with the joined tensor in ``.flat`` and the lengths in ``.lengths``), instead of right-padded
+    into one tensor. The rows are the runtime's own: read them; a body that changes one in
+    place fails its call (copy first: ``rows.flat.clone()``).
 
         @op(outputs={"token_level_scores": T.float32("response_len")}, group="reward")
         def length_reward(responses: T.int64("response_len"), *, coef: float = 0.01):
@@ -432,6 +454,7 @@ def op(
             drops=drops,
             streams=inspect.isgeneratorfunction(f),  # a generator body yields its rows in parts
             vectorised=vectorised,
+            as_rows=as_rows,  # a lone name, or names: OpSpec checks and keeps them as a frozenset
         )
         f.__rlgraph_op__ = spec  # metadata only: the function itself is unchanged
         return f

@@ -115,6 +115,8 @@ class OpPlan(_Frozen):
                           "start on each part")
     vectorised: bool = Field(False, description="the body runs once on all the chunks of a call (each computed from "
                              "its own rows), not once per chunk; ctx.chunks gives their sizes")
+    as_rows: list[str] = Field(default_factory=list, description="inputs the body is given as their rows "
+                               "(rlgraph.rows.Rows, one tensor a row), not padded into one tensor")
     downstream: list[str] = Field(
         description="for an op that drops rows: the ops that read its outputs, directly or through other ops (its "
         "drops are padding for them); empty otherwise")

@@ -275,6 +275,10 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         # each sample is scored alone: a call of several micro-batches (ready chunks batched, or the op
         # fused into the policy's call) decodes and scores them at once, with a metrics record per chunk
         vectorised=True,
+        # the built-in body decodes each response as it is and writes its score into the rows: it takes the
+        # responses (and the mask it only reads for fusion) as their rows; a body of one's own (impl=) gets
+        # them padded, as any op, unless it names as_rows too
+        as_rows=() if "impl" in changes else ("responses", "response_mask"),
     ).with_(**changes)
 
 

@@ -5,8 +5,10 @@ The calling convention (docs/dsl.md):
 - each input column arrives as one argument named like the column: fixed-shape numeric columns
   as a dense tensor ``[rows, *shape]``; ragged ones (a named dimension such as
   ``response_len``) right-padded with zeros to the longest row of the call, ``[rows, max_len]``
-  (masks such as ``response_mask`` say which entries are real); ``str`` and ``json`` columns as
-  lists; state columns as the value from the previous step (None at the first step);
+  (masks such as ``response_mask`` say which entries are real), or, for those the op names in
+  ``as_rows``, as their rows (`rlgraph.rows.Rows`, read-only: a body that changes them in place
+  fails its call); ``str`` and ``json`` columns as lists; state columns as the value from the
+  previous step (None at the first step);
 - params arrive as keyword arguments, except those the runtime consumes itself (batching sizes,
   the group size, setup-time params: ``OpPlan.runtime_params``), which the body receives only if
   it names them; a parameter named ``ctx`` receives the `OpContext`, whose ``batching`` and
@@ -32,7 +34,7 @@ from rlgraph.errors import OpError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
 from rlgraph.graph.settings import TrainerSettings
-from rlgraph.rows import Rows, pad_rows, trimmed_rows
+from rlgraph.rows import Rows, pad_rows, rows_of, trimmed_rows
 from rlgraph.seeds import stable_seed
 
 __all__ = ["OpContext", "OpError", "BindingError", "binding_problems", "to_call_value",
@@ -139,10 +141,13 @@ def binding_problems(fn: Callable, columns: Iterable[str], params: Iterable[str]
     return problems
 
 
-def to_call_value(col: ColumnPlan, values: Any) -> Any:
-    """Turn a column's stored per-row values into the argument an op receives."""
+def to_call_value(col: ColumnPlan, values: Any, as_rows: bool = False) -> Any:
+    """Turn a column's stored per-row values into the argument an op receives (`as_rows`: a ragged
+    column of one dimension as its rows, `rlgraph.rows.Rows`, which the body reads without a copy)."""
     if col.dtype in ("str", "json", "opaque") or col.level == "batch":
         return list(values) if isinstance(values, tuple) else values
+    if as_rows:
+        return rows_of(values, TORCH_DTYPES[col.dtype])
     if isinstance(values, torch.Tensor):
         return values
     ragged = any(isinstance(d, str) for d in col.shape)
@@ -277,6 +282,8 @@ class Invoker:
         self.last_dropped: dict[int, tuple[str, bool]] = {}  # rows the last call dropped (ctx.drop)
         self.last_events: list[tuple[float, float, int, str]] = []  # the last call's timed events (ctx.event)
         self.last_rest: dict[str, Any] = {}  # a streaming call's outputs other than its per-sample ones
+        # the call's inputs given as rows (as_rows): (column, flat tensor, its version counter when given)
+        self._given_rows: list[tuple[str, torch.Tensor, int]] = []
         for op in plan.ops:
             if op.group == group:
                 self.bound[op.name] = self._bind(op)
@@ -322,8 +329,10 @@ class Invoker:
                salt: int = 0, chunks: tuple[int, ...] = ()) -> tuple[Any, dict, OpContext | None]:
         """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx."""
         bound = self.bound[op.name]
-        kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name]) for name in op.inputs
-                                  if name in inputs}
+        kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name], name in op.as_rows)
+                                  for name in op.inputs if name in inputs}
+        self._given_rows = [(name, kwargs[name].flat, kwargs[name].flat._version) for name in op.as_rows
+                            if name in kwargs]
         if "is_padding" in kwargs:  # the call's tags, which include rows dropped upstream in this step
             kwargs["is_padding"] = torch.tensor([bool(p) for p in is_padding], dtype=torch.bool)
         kwargs.update(batch_inputs or {})
@@ -344,6 +353,17 @@ class Invoker:
                 wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state,
                 exported=self._exported(op), chunks=chunks or (len(rows),))
         return bound.fn(**kwargs), lengths, ctx
+
+    def _check_given_rows(self, op: OpPlan) -> None:
+        """The call's inputs given as rows are as they were given: they are the runtime's own tensors (other
+        ops read them too), so a body that changed one in place fails its call rather than their results.
+        In-place changes to a tensor or any view of it count in its version counter."""
+        changed = [name for name, flat, version in self._given_rows if flat._version != version]
+        self._given_rows = []
+        if changed:
+            raise OpError(f"op {op.name!r} changed its input(s) {changed} in place; an input the op takes as_rows is "
+                          f"the runtime's own tensor, which other ops read too: read it, and change a copy "
+                          f"(rows.flat.clone(), or row.clone()), or leave the column out of as_rows to get a padded copy")
 
     def _exported(self, op: OpPlan) -> frozenset[str]:
         """`op`'s state outputs that cross to other workers (as `rlgraph.runtime.window.Window.moves` decides)."""
@@ -368,6 +388,7 @@ class Invoker:
         """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs. `salt`
         (a refill round) enters the call's seed; `chunks`: a vectorised op's chunk sizes (`OpContext.chunks`)."""
         result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt, chunks)
+        self._check_given_rows(op)
         if ctx is not None:
             self.last_dropped = dict(ctx.dropped)
             self.last_events = list(ctx.events)
@@ -407,6 +428,7 @@ class Invoker:
                 done[p] = True
             yield positions, {c: _convert(self.plan, op, c, outputs[c], len(positions), part_lengths)
                               for c in per_row}
+        self._check_given_rows(op)
         missing = [i for i, d in enumerate(done) if not d]
         if missing:
             raise OpError(f"op {op.name!r} ended without yielding rows {missing[:8]}{' ...' if len(missing) > 8 else ''} "

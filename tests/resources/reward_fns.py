@@ -76,3 +76,14 @@ def where_scored(data_source, solution_str, ground_truth, extra_info=None):
     if ground_truth == "boom":
         raise ValueError("boom")
     return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+MIXED = {"half": 0.5, "one": 1, "dict": {"score": 0.25, "k": 1.0}, "nan": float("nan"), "str": "high",
+         "big": 1e308, "true": True}
+
+
+def mixed(data_source, solution_str, ground_truth, extra_info=None):
+    """What `MIXED` gives for the ground truth (every kind of value a function may return); raises on "raise"."""
+    if ground_truth == "raise":
+        raise ValueError("asked to")
+    return MIXED[ground_truth]

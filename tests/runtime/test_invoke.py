@@ -304,3 +304,66 @@ def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
         expected = [float(torch.as_tensor(r).double().sum()) for r in rows]
         assert _row_sums(rows) == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert _row_sums([]) == []
+
+
+@op(outputs={"last": T.float32(), "echo": T.float32(R)}, group="w", as_rows=["tokens"])
+def last_token(tokens: T.float32(R), mask: T.int64(R)):
+    # tokens come as their rows (as_rows), the mask padded as usual
+    assert type(tokens) is rlgraph.rows.Rows and isinstance(mask, torch.Tensor)
+    return {"last": torch.tensor([float(r[-1]) if r.numel() else 0.0 for r in tokens]), "echo": tokens}
+
+
+@op(outputs={"last": T.float32()}, group="w", as_rows="tokens")
+def changes_its_rows(tokens: T.float32(R)):
+    tokens[0].mul_(2)  # in place, on the runtime's own tensor
+    return {"last": torch.zeros(len(tokens))}
+
+
+def test_an_input_taken_as_rows_comes_as_the_runtime_s_rows_without_padding_or_a_copy():
+    import rlgraph.rows
+    from rlgraph.rows import Rows
+
+    plan = _plan(last_token)
+    assert plan.op("last_token").as_rows == ["tokens"]
+    inv = Invoker(plan, "w", 0, 1)
+    stored = Rows(torch.tensor([1.0, 2.0, 3.0, 4.0]), [3, 0, 1])
+    masks = [torch.ones(n, dtype=torch.int64) for n in (3, 0, 1)]
+    out = inv.call(plan.op("last_token"), step=0, chunk=0, rows=[0, 1, 2], is_padding=[False] * 3,
+                   inputs={"tokens": stored, "mask": masks})
+    assert out["last"].tolist() == [3.0, 0.0, 4.0]
+    assert out["echo"] is not stored and out["echo"].flat is stored.flat  # the same tensor: no copy either way
+    assert [r.tolist() for r in out["echo"]] == [[1.0, 2.0, 3.0], [], [4.0]]
+    # stored as a plain list of rows, or dense (every row as long): given as rows all the same
+    as_list = inv.call(plan.op("last_token"), step=0, chunk=0, rows=[0, 1], is_padding=[False] * 2,
+                       inputs={"tokens": [torch.tensor([5.0]), torch.tensor([6.0, 7.0])], "mask": masks[:2]})
+    dense = inv.call(plan.op("last_token"), step=0, chunk=0, rows=[0, 1], is_padding=[False] * 2,
+                     inputs={"tokens": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "mask": torch.ones(2, 2).long()})
+    assert as_list["last"].tolist() == [5.0, 7.0] and dense["last"].tolist() == [2.0, 4.0]
+    assert type(rlgraph.rows.rows_of([[1, 2], [3]], torch.int64)) is Rows
+
+
+def test_a_body_that_changes_rows_it_was_given_in_place_fails_its_call():
+    from rlgraph.rows import Rows
+
+    plan = _plan(changes_its_rows)
+    inv = Invoker(plan, "w", 0, 1)
+    stored = Rows(torch.tensor([1.0, 2.0, 3.0]), [2, 1])
+    with pytest.raises(OpError, match=r"changed its input\(s\) \['tokens'\] in place.*rows.flat.clone"):
+        inv.call(plan.op("changes_its_rows"), step=0, chunk=0, rows=[0, 1], is_padding=[False] * 2,
+                 inputs={"tokens": stored})
+
+
+@pytest.mark.parametrize("as_rows, message", [
+    (["nope"], r"as_rows names 'nope', which is not among its inputs"),
+    (["total"], r"as_rows names 'total' of type float32\[\]; only a per-sample numeric column of one ragged"),
+    ({"a": 1}, r"as_rows= must be a list of names"),
+])
+def test_as_rows_names_only_ragged_inputs_of_one_dimension(as_rows, message):
+    from rlgraph.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match=message):
+        op(outputs={"x": T.float32()}, group="w", as_rows=as_rows)(_takes_total)
+
+
+def _takes_total(tokens: T.float32(R), total: T.float32()):
+    return {"x": total}

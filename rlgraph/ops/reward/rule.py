@@ -20,6 +20,7 @@ named source of a mixed reward (e.g. ``rule_scores``).
 from __future__ import annotations
 
 from bisect import bisect_left
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
 from rlgraph.ops.settings import ActorSettings, DataSettings, RewardSettings, RolloutSettings
+from rlgraph.rows import Rows
 
 __all__ = ["RewardWorker", "combine_rewards", "env_reward", "overlong_penalty", "overlong_penalties"]
 
@@ -59,25 +61,29 @@ class RewardWorker:
             self.tokenizers[path] = tokenizer_at(path)
         return self.tokenizers[path]
 
-    def compute_reward(self, responses: torch.Tensor, response_mask: torch.Tensor, data_source: list,
-                       ground_truth: list, extra_info: list, *,
-                       fn: str, executor: str, concurrency: int, timeout_s: float, on_error: str, tokenizer: str,
-                       ctx: Any) -> dict[str, Any]:
+    def compute_reward(self, responses: Rows, response_mask: Rows, data_source: list, ground_truth: list,
+                       extra_info: list, *, fn: str, executor: str, concurrency: int, timeout_s: float, on_error: str,
+                       tokenizer: str, ctx: Any) -> dict[str, Any]:
+        """`responses` come as their rows (the op takes them ``as_rows``): each is decoded as it is, and the
+        score column is written into rows of the same lengths, with no padding either way. `response_mask`
+        is read only so that the advantage can run inside this op's call (see `rlgraph.ops.stages.reward`)."""
         if on_error not in ON_ERROR:
             raise RewardFnError(f"{ctx.op}.on_error={on_error!r}; use one of {', '.join(ON_ERROR)}")
         key = (fn, executor, int(concurrency), float(timeout_s))
         if key not in self.scorers:
             self.scorers[key] = RewardScorer(fn, executor=executor, concurrency=concurrency, timeout_s=timeout_s)
         scorer = self.scorers[key]
-        lengths = ctx.lengths["response_len"]
+        lengths = responses.lengths
         rows = len(lengths)
-        real = [i for i in range(rows) if not ctx.is_padding[i]]
+        ends = list(accumulate(lengths))  # each row's end in the joined tokens
+        padding = ctx.is_padding
+        real = [i for i in range(rows) if not padding[i]]
         tok = self._tokenizer(tokenizer)
-        ids = responses.tolist()  # one conversion, then one batched decode (not a call per row)
-        texts = decode_rows(tok, [ids[i][:lengths[i]] for i in real])
-        outcomes = scorer.score([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
-                                [extra_info[i] for i in real])
-        failed = [(i, o) for i, o in zip(real, outcomes) if o.error is not None]
+        ids = responses.flat.tolist()  # one conversion for the call, then each row's slice of it
+        texts = decode_rows(tok, [ids[ends[i] - lengths[i]:ends[i]] for i in real])
+        res = scorer.scores([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
+                            [extra_info[i] for i in real])
+        failed = [(real[k], o) for k, o in sorted(res.failed.items())]
         if failed and on_error == "fail":
             shown = "; ".join(f"row {i} (data_source={data_source[i]!r}): {o.error}" for i, o in failed[:3])
             raise RewardFnError(
@@ -85,29 +91,25 @@ class RewardWorker:
                 f"{' ...' if len(failed) > 3 else ''}. Fix the function, or set {ctx.op}.on_error=zero (score "
                 f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
         score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
-        token_level_scores = torch.zeros((rows, max(lengths, default=0)), dtype=torch.float32)
         reward_extra: list[dict] = [{} for _ in range(rows)]
-        keep_extra = extra_col in ctx.wanted  # filled where an op or the pipeline reads it
-        scored: list[int] = []  # rows whose score goes on their last response token
-        scores: list[float] = []
-        for i, o in zip(real, outcomes):
-            if o.error is not None:
-                if keep_extra:
-                    reward_extra[i] = {**o.extra, "reward_error": o.error}
-                if on_error == "drop_group":
-                    ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
-                continue
-            if o.extra and keep_extra:
-                reward_extra[i] = dict(o.extra)
-            if lengths[i] > 0:
-                scored.append(i)
-                scores.append(o.score)
-        if scored:  # one indexed write, not one per row (~3 us each)
-            at = torch.tensor(scored)
-            token_level_scores[at, torch.tensor([lengths[i] - 1 for i in scored])] = torch.tensor(scores)
+        if extra_col in ctx.wanted:  # filled where an op or the pipeline reads it
+            for k, extra in res.extras.items():
+                reward_extra[real[k]] = dict(extra)
+            for i, o in failed:
+                reward_extra[i] = {**o.extra, "reward_error": o.error}
+        if on_error == "drop_group":
+            for i, o in failed:
+                ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
+        # each score on its row's last token, in one indexed write (a failed sample's score is 0, as the
+        # rest of its row; an empty row has no token to hold one)
+        flat = torch.zeros(ends[-1] if ends else 0, dtype=torch.float32)
+        last = [(ends[i] - 1, v) for i, v in zip(real, res.values) if lengths[i]]
+        if last:
+            at, values = zip(*last)
+            flat[torch.tensor(at)] = torch.tensor(values, dtype=torch.float32)
         restarted = scorer.restarted
         scorer.restarted = 0
-        return {score_col: token_level_scores, extra_col: reward_extra,
+        return {score_col: Rows(flat, lengths), extra_col: reward_extra,
                 metrics_col: _chunk_metrics(ctx.chunks or (rows,), real, failed, restarted)}
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from rlgraph.ops.names import EXECUTORS
 from rlgraph.ops.reward.functions import RewardFnError, load_reward_fn, normalise_score
 
-__all__ = ["Outcome", "RewardScorer"]
+__all__ = ["Outcome", "RewardScorer", "Scores"]
 
 
 
@@ -50,6 +50,35 @@ class Outcome:
     error: str | None = None  # "<ExceptionType>: message" when the function failed
     timed_out: bool = False
     seconds: float = 0.0
+
+
+@dataclass
+class Scores:
+    """A call's results, kept per column rather than as an `Outcome` a sample (128 of those cost more
+    than a rule-based function's scoring): each sample's score (0.0 where it failed) and seconds, and
+    only for the samples that need one, the failed sample's `Outcome` or the function's extras."""
+
+    values: list[float]
+    seconds: list[float]
+    failed: dict[int, Outcome] = field(default_factory=dict)  # sample -> its outcome with the error
+    extras: dict[int, dict[str, Any]] = field(default_factory=dict)  # sample -> extras of a dict result
+
+    def outcomes(self) -> list[Outcome]:
+        """One `Outcome` a sample."""
+        return [self.failed.get(i) or Outcome(v, dict(self.extras.get(i, {})), None, False, s)
+                for i, (v, s) in enumerate(zip(self.values, self.seconds))]
+
+
+class _Raised:
+    """In a call's list of results: the function raised on this sample (its `_describe`d exception)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+_TIMED_OUT = object()  # in a call's list of results: the sample ran past its time limit
 
 
 # ---------------------------------------------------------------- process-pool side
@@ -163,6 +192,13 @@ class _ThreadPool:
             results[i] = (res[0], res[1], clock() - t0)
 
 
+def _unpacked(raw: Sequence[tuple[str, Any, float]]) -> tuple[list[Any], list[float]]:
+    """A pool's ``(kind, value, seconds)`` results as what each sample's function gave (its return
+    value, a `_Raised`, or `_TIMED_OUT`) and the seconds each took."""
+    values = [v if kind == "ok" else _Raised(v) if kind == "error" else _TIMED_OUT for kind, v, _ in raw]
+    return values, [r[2] for r in raw]
+
+
 def _describe(e: BaseException) -> str:
     try:
         text = str(e).strip().splitlines()
@@ -197,6 +233,12 @@ class RewardScorer:
     # ------------------------------------------------------------------ public
     def score(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[str],
               extra_infos: Sequence[dict | None] | None = None) -> list[Outcome]:
+        """One `Outcome` a sample (see `scores`)."""
+        return self.scores(data_sources, solution_strs, ground_truths, extra_infos).outcomes()
+
+    def scores(self, data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[str],
+               extra_infos: Sequence[dict | None] | None = None) -> Scores:
+        """Score the samples (one list a field, in order): their `Scores`."""
         n = len(data_sources)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         if not (len(solution_strs) == len(ground_truths) == len(extra_infos) == n):
@@ -204,22 +246,33 @@ class RewardScorer:
                                 f"{len(solution_strs)} solutions, {len(ground_truths)} ground truths, "
                                 f"{len(extra_infos)} extra infos")
         if not n:
-            return []
+            return Scores([], [])
+        columns = (data_sources, solution_strs, ground_truths, extra_infos)
         if self.is_async or self.executor == "process":
             calls = [{"data_source": data_sources[i], "solution_str": solution_strs[i],
                       "ground_truth": ground_truths[i], "extra_info": extra_infos[i]} for i in range(n)]
-            raw = asyncio.run(self._run_async(calls)) if self.is_async else self._run_processes(calls)
+            values, seconds = _unpacked(asyncio.run(self._run_async(calls)) if self.is_async
+                                        else self._run_processes(calls))
         elif self.timeout_s is None and self.sample_s is not None and n * self.sample_s <= RUN_BUDGET_S:
-            raw = self._run_inline((data_sources, solution_strs, ground_truths, extra_infos))
+            values, seconds = self._run_inline(columns)
         else:
-            raw = self._run_threads((data_sources, solution_strs, ground_truths, extra_infos))
-        out = []
-        for i, r in enumerate(raw):
-            value = r[1]  # the common case, a finite number, built without `_finish` (positional: cheaper)
-            if r[0] == "ok" and (type(value) is float and math.isfinite(value) or type(value) is int):
-                out.append(Outcome(float(value), {}, None, False, r[2]))
+            values, seconds = _unpacked(self._run_threads(columns))
+        # the common case, every score a finite float, kept as the function gave it (a sum of floats is
+        # finite only if each is, or it overflowed: then the loop below tells)
+        if all(type(v) is float for v in values) and math.isfinite(sum(values)):
+            return Scores(values, seconds)
+        out = Scores([0.0] * n, seconds)
+        for i, value in enumerate(values):
+            if type(value) is float and math.isfinite(value) or type(value) is int:
+                out.values[i] = float(value)
+                continue
+            o = self._finish(i, data_sources[i], value, seconds[i])
+            if o.error is not None:
+                out.failed[i] = o
             else:
-                out.append(self._finish(i, data_sources[i], r))
+                out.values[i] = o.score
+                if o.extra:
+                    out.extras[i] = o.extra
         return out
 
     def close(self) -> None:
@@ -238,14 +291,14 @@ class RewardScorer:
             pass
 
     # ------------------------------------------------------------------ result handling
-    def _finish(self, i: int, data_source: Any, raw: tuple[str, Any, float]) -> Outcome:
-        """A sample's outcome, but for a finite number, which `score` builds itself (the common case)."""
-        kind, value, seconds = raw
-        if kind == "timeout":
+    def _finish(self, i: int, data_source: Any, value: Any, seconds: float) -> Outcome:
+        """A sample's outcome from what its function gave (a `_Raised`, `_TIMED_OUT` or its return value),
+        but for a finite number, which `scores` keeps as it is (the common case)."""
+        if value is _TIMED_OUT:
             return Outcome(error=f"TimeoutError: took longer than reward.timeout_s={self.timeout_s:g}s",
                            timed_out=True, seconds=seconds)
-        if kind == "error":
-            return Outcome(error=value, seconds=seconds)
+        if type(value) is _Raised:
+            return Outcome(error=value.text, seconds=seconds)
         where = f"reward function {self.label!r} on sample {i} (data_source={data_source!r})"
         try:
             score, extra = normalise_score(value, where)
@@ -254,29 +307,31 @@ class RewardScorer:
         return Outcome(score=score, extra=extra, seconds=seconds)
 
     # ------------------------------------------------------------------ threads
-    def _run_inline(self, columns: tuple[Sequence[Any], ...]) -> list[tuple[str, Any, float]]:
+    def _run_inline(self, columns: tuple[Sequence[Any], ...]) -> tuple[list[Any], list[float]]:
         """Score one sample after another on the calling thread: for a call without a time limit whose
         measured work fits one thread (`RUN_BUDGET_S`), where a hand-off to a thread and back costs
         more than the scoring (a 128-sample call of the addition task: 0.04 ms of scoring, 0.25 ms on
         a thread). No limit means none to enforce, so nothing here needs a thread that can be left behind.
         A function that turned slow hands the call's samples left to the threads once the call has taken
-        `RUN_BUDGET_S` (they score them concurrently, as the call would have gone had it been measured so)."""
-        fn, (sources, solutions, truths, extras), clock = self.fn, columns, time.monotonic
-        out: list[tuple[str, Any, float]] = []
+        `RUN_BUDGET_S` (they score them concurrently, as the call would have gone had it been measured so).
+        Gives what the function returned for each sample (a `_Raised` where it raised) and the seconds
+        each took: their mean, as the call is timed as a whole."""
+        fn, clock = self.fn, time.monotonic
+        out: list[Any] = []
         start = clock()
-        for i in range(len(sources)):
-            if i and clock() - start > RUN_BUDGET_S:
-                return out + self._run_threads(tuple(c[i:] for c in columns))
-            t0 = clock()
+        for source, solution, truth, extra in zip(*columns):
+            if out and clock() - start > RUN_BUDGET_S:
+                done, spent = len(out), clock() - start
+                values, seconds = _unpacked(self._run_threads(tuple(c[done:] for c in columns)))
+                return out + values, [spent / done] * done + seconds
             try:
-                out.append(("ok", fn(data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i],
-                                     extra_info=extras[i]), clock() - t0))
+                out.append(fn(data_source=source, solution_str=solution, ground_truth=truth, extra_info=extra))
             except KeyboardInterrupt:
                 raise
             except BaseException as e:  # noqa: BLE001 - the user's function failed: per sample, as on a thread
-                out.append(("error", _describe(e), clock() - t0))
-        self.sample_s = sum(r[2] for r in out) / len(out)
-        return out
+                out.append(_Raised(_describe(e)))
+        self.sample_s = (clock() - start) / len(out)
+        return out, [self.sample_s] * len(out)
 
     def _run_threads(self, columns: tuple[Sequence[Any], ...]) -> list[tuple[str, Any, float]]:
         if self._threads is None:

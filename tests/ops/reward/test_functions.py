@@ -233,20 +233,20 @@ def test_the_rule_reward_worker_loads_its_tokenizer_at_setup_and_leaves_a_bad_on
 
 def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     # rows of 3, 0 and 4 response tokens, a padding row, and a sample whose function raises (scored 0 with
-    # on_error=zero): each score lands on its row's last real token, nothing anywhere else
+    # on_error=zero): each score lands on its row's last real token, nothing anywhere else. The responses
+    # come as their rows (the op takes them as_rows) and the scores go out as rows of the same lengths
     from types import SimpleNamespace
 
     from rlgraph.ops.models import char_tokenizer
     from rlgraph.ops.reward.rule import RewardWorker
+    from rlgraph.rows import Rows, rows_of
 
     tok = char_tokenizer()
     texts, truths = ["12", "", "7", "4", "9"], ["12", "2", "7", "4", "8"]  # the 4th row is padding
     rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
     rows[1] = []
     lengths = tuple(len(r) for r in rows)
-    responses = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
-    for i, r in enumerate(rows):
-        responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    responses = rows_of([torch.tensor(r, dtype=torch.int64) for r in rows], torch.int64)
     ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=(False, False, False, True, False),
                           outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None, chunks=(5,),
                           wanted=("token_level_scores", "reward_extra", "reward_metrics"))
@@ -258,7 +258,10 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     expected = torch.zeros(5, max(lengths))
     expected[0, lengths[0] - 1] = 1.0  # "12" == "12"; row 1 has no token to carry its score
     expected[2, lengths[2] - 1] = 0.0  # ground truth 7 is odd: the function raised, scored 0
-    assert torch.equal(out["token_level_scores"], expected)
+    expected[4, lengths[4] - 1] = 0.0  # "9" != "8"
+    assert type(out["token_level_scores"]) is Rows and out["token_level_scores"].lengths == list(lengths)
+    assert torch.equal(out["token_level_scores"].padded(), expected)
+    # "4" == "4" on a padding row: never scored, so a row of zeros where a score of 1 would show
     assert "reward_error" in out["reward_extra"][2] and out["reward_extra"][3] == {}  # padding is never scored
     assert out["reward_metrics"]["scored_count"] == 4 and out["reward_metrics"]["error_count"] == 1
     ctx.wanted = ("token_level_scores", "reward_metrics")  # nobody reads the extras: an empty record a row
@@ -266,8 +269,16 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
                               fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
                               executor="thread", concurrency=2, timeout_s=10.0, on_error="zero", tokenizer="",
                               ctx=ctx)
-    assert unread["reward_extra"] == [{}] * 5 and torch.equal(unread["token_level_scores"], expected)
+    assert unread["reward_extra"] == [{}] * 5 and torch.equal(unread["token_level_scores"].padded(), expected)
     assert unread["reward_metrics"] == out["reward_metrics"]
+    # without a time limit the samples are scored on the caller's thread (from the second call, once the
+    # function's cost is measured): the same scores, errors and extras
+    inline = [w.compute_reward(responses, None, ["add"] * 5, truths, [None] * 5,
+                               fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
+                               executor="thread", concurrency=2, timeout_s=0.0, on_error="zero", tokenizer="",
+                               ctx=ctx) for _ in range(2)][1]
+    assert torch.equal(inline["token_level_scores"].padded(), expected)
+    assert inline["reward_metrics"] == out["reward_metrics"]
 
 
 def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_would():
@@ -277,6 +288,7 @@ def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_w
 
     from rlgraph.ops.models import char_tokenizer
     from rlgraph.ops.reward.rule import RewardWorker
+    from rlgraph.rows import rows_of
 
     tok = char_tokenizer()
     texts = ["12", "7", "", "4", "9", "3", "5"]
@@ -291,9 +303,7 @@ def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_w
     def call(lo, hi, chunks):
         part = rows[lo:hi]
         lengths = tuple(len(r) for r in part)
-        responses = torch.zeros(len(part), max(lengths), dtype=torch.int64)
-        for i, r in enumerate(part):
-            responses[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        responses = rows_of([torch.tensor(r, dtype=torch.int64) for r in part], torch.int64)
         ctx = SimpleNamespace(op="reward", lengths={"response_len": lengths}, is_padding=padding[lo:hi],
                               outputs=("token_level_scores", "reward_extra", "reward_metrics"), drop=None,
                               chunks=chunks, wanted=("token_level_scores", "reward_extra", "reward_metrics"))
@@ -305,8 +315,7 @@ def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_w
     assert whole["reward_metrics"] == [first["reward_metrics"], second["reward_metrics"]]
     assert [m["scored_count"] for m in whole["reward_metrics"]] == [3, 3]
     assert [m["error_count"] for m in whole["reward_metrics"]] == [1, 1]
-    width = whole["token_level_scores"].shape[1]
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-    assert torch.equal(whole["token_level_scores"],
-                       torch.cat([pad(first["token_level_scores"]), pad(second["token_level_scores"])]))
+    assert torch.equal(whole["token_level_scores"].flat,
+                       torch.cat([first["token_level_scores"].flat, second["token_level_scores"].flat]))
+    assert whole["token_level_scores"].lengths == first["token_level_scores"].lengths + second["token_level_scores"].lengths
     assert whole["reward_extra"] == first["reward_extra"] + second["reward_extra"]

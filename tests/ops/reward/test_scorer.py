@@ -245,3 +245,24 @@ def test_a_bad_reward_function_fails_compilation():
     with pytest.raises(PipelineError, match=r"op 'reward': reward function "
                                             r"'rlgraph.ops.reward.functions:parse_answer' has signature"):
         compile(pipeline, ["reward.fn=rlgraph.ops.reward.functions:parse_answer"], pipeline_ref=ref)
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 10.0])
+def test_scores_keep_floats_as_given_and_every_other_result_as_one_outcome_would(timeout_s):
+    # a call's Scores: each sample's score (0 where it failed), the failed samples' outcomes, the extras of
+    # dict results; a call of finite floats only is kept as the function gave it. On the caller's thread
+    # (timeout_s=0, from the second call) and on the threads alike
+    s = RewardScorer(f"{FNS}:mixed", executor="thread", concurrency=2, timeout_s=timeout_s)
+    gts = ["half", "one", "dict", "nan", "str", "raise", "big", "big", "true"]
+    for _ in range(2):
+        got = s.scores(["add"] * len(gts), gts, gts, None)
+    assert got.values == [0.5, 1.0, 0.25, 0.0, 0.0, 0.0, 1e308, 1e308, 1.0]  # True counts as 1
+    assert sorted(got.failed) == [3, 4, 5] and got.failed[5].error == "ValueError: asked to"
+    assert "non-finite score nan" in got.failed[3].error and "returned str 'high'" in got.failed[4].error
+    assert got.extras == {2: {"k": 1.0}}
+    outcomes = got.outcomes()
+    assert [o.score for o in outcomes] == got.values and outcomes[2].extra == {"k": 1.0}
+    assert [o.error is not None for o in outcomes] == [i in (3, 4, 5) for i in range(len(gts))]
+    floats = s.scores(["add"] * 3, ["x"] * 3, ["half", "big", "half"], None)
+    assert floats.values == [0.5, 1e308, 0.5] and not floats.failed and not floats.extras
+    s.close()
