@@ -1,7 +1,7 @@
 """Rows of a ragged column: padding them into one tensor and cutting them out of one.
 
 An op receives a ragged column (``responses``, ``[response_len]``) right-padded with zeros into
-one tensor and returns it the same way; between ops the runtime keeps and moves it as one tensor
+one tensor (or, where it takes the column ``as_rows``, as a `Rows`) and returns it either way; between ops the runtime keeps and moves it as one tensor
 per row, each cut to its length. A column read by several ops (``responses`` by the reward, the
 reference pass and the update) is cut once and padded again for every reader. `Rows` saves the
 padding: the per-row tensors are views into one flat tensor, and a `Rows` keeps that tensor and
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Rows", "rows_of", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
+__all__ = ["Rows", "rows_of", "tensors", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
 
 
 class Rows(list):
@@ -58,7 +58,9 @@ class Rows(list):
         which may change the list but not the tensors. Only for a `Rows` that still has its flat tensor."""
         out = Rows.__new__(Rows)
         list.extend(out, self)
-        out.flat, out.lengths, out._padded = self.flat, self.lengths, self._padded
+        # not the kept padding: a reader may change what `padded` gives it, which no version counter of
+        # the rows tells; the lengths its own list
+        out.flat, out.lengths, out._padded = self.flat, list(self.lengths), None
         return out
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -106,13 +108,19 @@ def rows_of(values: Any, dtype: torch.dtype) -> Rows:
             raise ValueError(f"rows of one ragged dimension come as a [rows, width] tensor, got shape "
                              f"{tuple(values.shape)}")
         return Rows(values.to(dtype).reshape(-1), [values.shape[1]] * values.shape[0])
-    rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
+    rows = tensors(values)
     if any(r.dim() != 1 for r in rows):
         raise ValueError(f"rows of one ragged dimension are 1-D tensors, got shapes "
                          f"{sorted({tuple(r.shape) for r in rows if r.dim() != 1})}")
     if not rows:
         return Rows(torch.empty((0,), dtype=dtype), [])
     return Rows(torch.cat(rows).to(dtype), [r.shape[0] for r in rows])
+
+
+def tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    """A column's stored rows as tensors: tensors as they are, anything else (lists of numbers, arrays)
+    through ``torch.as_tensor``."""
+    return [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
 
 
 def joined(rows: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -124,7 +124,9 @@ def test_rows_of_gives_any_stored_form_of_a_column_as_rows_sharing_what_it_can()
     kept.padded()
     shared = rows_of(kept, torch.int64)
     assert shared is not kept and shared.flat is kept.flat and shared[1] is kept[1]  # no copy, no new views
-    assert shared.padded() is kept.padded()  # the padding made for one reader is the next one's
+    # but not the kept padding, which a reader could change unseen, nor the list of lengths
+    assert shared.padded() is not kept.padded() and torch.equal(shared.padded(), kept.padded())
+    assert shared.lengths == kept.lengths and shared.lengths is not kept.lengths
     shared.append(torch.tensor([9]))  # the reader's list is its own
     assert len(kept) == 2 and kept.flat is not None and shared.flat is None
     as_float = rows_of(kept, torch.float32)

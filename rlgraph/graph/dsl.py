@@ -297,7 +297,14 @@ class OpSpec:
         return tuple(k for k, p in self.params.items() if k in names or p.setup)
 
     def with_(self, **changes: Any) -> OpSpec:
-        """A copy with some fields changed, e.g. ``spec.with_(group="actor", name="ref2")``."""
+        """A copy with some fields changed, e.g. ``spec.with_(group="actor", name="ref2")``. ``as_rows``
+        says how the body takes its inputs, so a new body (``impl``) given without it takes them padded,
+        and new ``inputs`` keep only the names of it they still hold."""
+        if "as_rows" not in changes:
+            if changes.get("impl", self.impl) != self.impl:
+                changes["as_rows"] = frozenset()
+            elif "inputs" in changes:
+                changes["as_rows"] = frozenset(c for c in self.as_rows if c in changes["inputs"])
         return replace(self, **changes)
 
 
@@ -374,7 +381,7 @@ def op(
     receives as their rows, a `rlgraph.rows.Rows` (a list of 1-D tensors, each its row's length,
     with the joined tensor in ``.flat`` and the lengths in ``.lengths``), instead of right-padded
     into one tensor. The rows are the runtime's own: read them; a body that changes one in
-    place fails its call (copy first: ``rows.flat.clone()``).
+    place through torch fails its call (copy first: ``rows.flat.clone()``).
 
         @op(outputs={"token_level_scores": T.float32("response_len")}, group="reward")
         def length_reward(responses: T.int64("response_len"), *, coef: float = 0.01):

@@ -34,7 +34,7 @@ from rlgraph.errors import OpError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
 from rlgraph.graph.settings import TrainerSettings
-from rlgraph.rows import Rows, pad_rows, rows_of, trimmed_rows
+from rlgraph.rows import Rows, pad_rows, rows_of, tensors, trimmed_rows
 from rlgraph.seeds import stable_seed
 
 __all__ = ["OpContext", "OpError", "BindingError", "binding_problems", "to_call_value",
@@ -66,7 +66,8 @@ class OpContext:
     rows: tuple[int, ...]
     is_padding: tuple[bool, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the whole resolved config, nested
-    # per named ragged dimension, each row's true length (inputs arrive right-padded with zeros)
+    # per named ragged dimension, each row's true length (inputs arrive right-padded with zeros, but for
+    # those the op takes as_rows)
     lengths: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     master_addr: str = "127.0.0.1"  # rank 0's address and a free port there: the group's
     master_port: int = 0  # torch.distributed rendezvous (DDP, DeepSpeed)
@@ -154,7 +155,7 @@ def to_call_value(col: ColumnPlan, values: Any, as_rows: bool = False) -> Any:
     if ragged and type(values) is Rows and values.flat is not None and values:
         padded, dtype = values.padded(), TORCH_DTYPES[col.dtype]  # padded once for all its readers
         return padded.clone() if padded.dtype is dtype else padded.to(dtype)  # the body may change its copy
-    rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in values]
+    rows = tensors(values)
     if not rows:
         return torch.empty((0,), dtype=TORCH_DTYPES[col.dtype])
     if ragged:
@@ -228,10 +229,20 @@ def _convert(plan: Plan, op: OpPlan, name: str, value: Any, n_rows: int, lengths
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
     if type(value) is Rows and value.flat is not None and value.flat.dtype is dtype:  # as they are, padding kept
+        if ragged and col.shape == [ragged[0][1]] and ragged[0][1] in lengths \
+                and value.lengths != list(lengths[ragged[0][1]]):
+            raise OpError(f"op {op.name!r}: output {name!r} has rows of lengths {_shown_lengths(value.lengths)}, but the "
+                          f"call's rows are {_shown_lengths(lengths[ragged[0][1]])} long in {ragged[0][1]!r}; give "
+                          f"each row its row's length")
         return value
     if all(type(v) is torch.Tensor and v.dtype is dtype for v in value):  # as they are (what the line below gives)
         return list(value)
     return [torch.as_tensor(v).to(dtype) for v in value]
+
+
+def _shown_lengths(lengths: Sequence[int]) -> str:
+    shown = list(lengths[:8])
+    return f"{shown}{' ...' if len(lengths) > 8 else ''}"
 
 
 def _check_columns(op: OpPlan, result: Any, expected: Sequence[str], what: str) -> None:
@@ -282,8 +293,6 @@ class Invoker:
         self.last_dropped: dict[int, tuple[str, bool]] = {}  # rows the last call dropped (ctx.drop)
         self.last_events: list[tuple[float, float, int, str]] = []  # the last call's timed events (ctx.event)
         self.last_rest: dict[str, Any] = {}  # a streaming call's outputs other than its per-sample ones
-        # the call's inputs given as rows (as_rows): (column, flat tensor, its version counter when given)
-        self._given_rows: list[tuple[str, torch.Tensor, int]] = []
         for op in plan.ops:
             if op.group == group:
                 self.bound[op.name] = self._bind(op)
@@ -326,13 +335,14 @@ class Invoker:
 
     def _start(self, op: OpPlan, step: int, chunk: int, rows: Sequence[int], is_padding: Sequence[bool],
                inputs: Mapping[str, Any], batch_inputs: Mapping[str, Any] | None,
-               salt: int = 0, chunks: tuple[int, ...] = ()) -> tuple[Any, dict, OpContext | None]:
-        """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx."""
+               salt: int = 0, chunks: tuple[int, ...] = ()
+               ) -> tuple[Any, dict, OpContext | None, list[tuple[str, torch.Tensor, int]]]:
+        """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx,
+        and the inputs it was given as rows (column, flat tensor, its version then: `_check_given_rows`)."""
         bound = self.bound[op.name]
         kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name], name in op.as_rows)
                                   for name in op.inputs if name in inputs}
-        self._given_rows = [(name, kwargs[name].flat, kwargs[name].flat._version) for name in op.as_rows
-                            if name in kwargs]
+        given = [(name, kwargs[name].flat, kwargs[name].flat._version) for name in op.as_rows if name in kwargs]
         if "is_padding" in kwargs:  # the call's tags, which include rows dropped upstream in this step
             kwargs["is_padding"] = torch.tensor([bool(p) for p in is_padding], dtype=torch.bool)
         kwargs.update(batch_inputs or {})
@@ -352,14 +362,15 @@ class Invoker:
                 group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
                 wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state,
                 exported=self._exported(op), chunks=chunks or (len(rows),))
-        return bound.fn(**kwargs), lengths, ctx
+        return bound.fn(**kwargs), lengths, ctx, given
 
-    def _check_given_rows(self, op: OpPlan) -> None:
+    @staticmethod
+    def _check_given_rows(op: OpPlan, given: list[tuple[str, torch.Tensor, int]]) -> None:
         """The call's inputs given as rows are as they were given: they are the runtime's own tensors (other
         ops read them too), so a body that changed one in place fails its call rather than their results.
-        In-place changes to a tensor or any view of it count in its version counter."""
-        changed = [name for name, flat, version in self._given_rows if flat._version != version]
-        self._given_rows = []
+        In-place changes through torch to a tensor or any view of it count in its version counter (a
+        write through ``.numpy()`` or ``.data`` does not: none is told)."""
+        changed = [name for name, flat, version in given if flat._version != version]
         if changed:
             raise OpError(f"op {op.name!r} changed its input(s) {changed} in place; an input the op takes as_rows is "
                           f"the runtime's own tensor, which other ops read too: read it, and change a copy "
@@ -387,8 +398,9 @@ class Invoker:
              chunks: tuple[int, ...] = ()) -> dict[str, Any]:
         """Run `op` on `rows` whose stored column values are `inputs`; returns checked outputs. `salt`
         (a refill round) enters the call's seed; `chunks`: a vectorised op's chunk sizes (`OpContext.chunks`)."""
-        result, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt, chunks)
-        self._check_given_rows(op)
+        result, lengths, ctx, given = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt,
+                                                  chunks)
+        self._check_given_rows(op, given)
         if ctx is not None:
             self.last_dropped = dict(ctx.dropped)
             self.last_events = list(ctx.events)
@@ -403,7 +415,7 @@ class Invoker:
         yields (positions in the call, its per-sample outputs for them, checked and converted). Once
         it is exhausted, `last_rest` holds the op's other outputs (metrics, state, batch columns) and
         `last_dropped` the rows it dropped. Every row must be yielded exactly once."""
-        parts, lengths, ctx = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
+        parts, lengths, ctx, given = self._start(op, step, chunk, rows, is_padding, inputs, batch_inputs, salt)
         per_row = [c for c in op.outputs if _per_row(self.plan.columns[c])]
         rest = [c for c in op.outputs if c not in per_row]
         done = [False] * len(rows)
@@ -428,7 +440,7 @@ class Invoker:
                 done[p] = True
             yield positions, {c: _convert(self.plan, op, c, outputs[c], len(positions), part_lengths)
                               for c in per_row}
-        self._check_given_rows(op)
+        self._check_given_rows(op, given)
         missing = [i for i, d in enumerate(done) if not d]
         if missing:
             raise OpError(f"op {op.name!r} ended without yielding rows {missing[:8]}{' ...' if len(missing) > 8 else ''} "

@@ -25,7 +25,7 @@ import torch
 
 from rlgraph.errors import InvariantError, OpError
 from rlgraph.graph.plan import Plan
-from rlgraph.rows import Rows, joined
+from rlgraph.rows import Rows, joined, tensors
 from rlgraph.runtime.dataplane import assemble_rows, count_locality, counted_apart, locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
@@ -230,7 +230,7 @@ def _row_sums(value: Any) -> list[float]:
     if type(value) is Rows and value.flat is not None:
         rows, sizes = value, value.lengths
     else:
-        rows = [v if type(v) is torch.Tensor else torch.as_tensor(v) for v in value]
+        rows = tensors(value)
         sizes = [r.numel() for r in rows]
     if not rows:
         return []

@@ -55,3 +55,15 @@ def test_a_declared_param_missing_from_a_body_is_found():
     fewer["new_knob"] = fewer["lr"]
     assert binding_problems(_body(spec), spec.inputs, fewer, spec.runtime_params) == [
         "does not accept declared param(s) ['new_knob']"]
+
+
+def test_the_rule_reward_takes_its_responses_as_rows_only_with_its_own_body():
+    # the built-in body reads rows; a body of one's own, bound here or through with_, gets them padded
+    # unless it names as_rows, and inputs declared without the mask keep what they have
+    assert stages.reward().as_rows == {"responses", "response_mask"}
+    assert stages.reward(impl="my_rewards:score").as_rows == frozenset()
+    assert stages.reward().with_(impl="my_rewards:score").as_rows == frozenset()
+    assert stages.reward(impl="my_rewards:score", as_rows=["responses"]).as_rows == {"responses"}
+    fewer = {k: v for k, v in stages.reward().inputs.items() if k != "response_mask"}
+    assert stages.reward(inputs=fewer).as_rows == {"responses"}
+    assert stages.reward().with_(inputs=fewer).as_rows == {"responses"}

@@ -342,6 +342,21 @@ def test_an_input_taken_as_rows_comes_as_the_runtime_s_rows_without_padding_or_a
     assert type(rlgraph.rows.rows_of([[1, 2], [3]], torch.int64)) is Rows
 
 
+@op(outputs={"echo": T.float32(R)}, group="w", as_rows=["tokens"])
+def short_rows(tokens: T.float32(R)):
+    return {"echo": rlgraph.rows.Rows(tokens.flat[:-1], [*tokens.lengths[:-1], tokens.lengths[-1] - 1])}
+
+
+def test_rows_returned_for_a_ragged_output_must_be_as_long_as_the_call_s_rows():
+    from rlgraph.rows import Rows
+
+    plan = _plan(short_rows)
+    inv = Invoker(plan, "w", 0, 1)
+    with pytest.raises(OpError, match=r"output 'echo' has rows of lengths \[2, 0\], but the call's rows are \[2, 1\]"):
+        inv.call(plan.op("short_rows"), step=0, chunk=0, rows=[0, 1], is_padding=[False] * 2,
+                 inputs={"tokens": Rows(torch.tensor([1.0, 2.0, 3.0]), [2, 1])})
+
+
 def test_a_body_that_changes_rows_it_was_given_in_place_fails_its_call():
     from rlgraph.rows import Rows
 

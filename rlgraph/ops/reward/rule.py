@@ -30,7 +30,7 @@ from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
 from rlgraph.ops.settings import ActorSettings, DataSettings, RewardSettings, RolloutSettings
-from rlgraph.rows import Rows
+from rlgraph.rows import Rows, trimmed_rows
 
 __all__ = ["RewardWorker", "combine_rewards", "env_reward", "overlong_penalty", "overlong_penalties"]
 
@@ -64,7 +64,8 @@ class RewardWorker:
     def compute_reward(self, responses: Rows, response_mask: Rows, data_source: list, ground_truth: list,
                        extra_info: list, *, fn: str, executor: str, concurrency: int, timeout_s: float, on_error: str,
                        tokenizer: str, ctx: Any) -> dict[str, Any]:
-        """`responses` come as their rows (the op takes them ``as_rows``): each is decoded as it is, and the
+        """`responses` come as their rows (the op takes them ``as_rows``; a padded tensor, as a stage of
+        one's own may give it, is taken back to rows by `ctx.lengths`): each is decoded as it is, and the
         score column is written into rows of the same lengths, with no padding either way. `response_mask`
         is read only so that the advantage can run inside this op's call (see `rlgraph.ops.stages.reward`)."""
         if on_error not in ON_ERROR:
@@ -73,6 +74,9 @@ class RewardWorker:
         if key not in self.scorers:
             self.scorers[key] = RewardScorer(fn, executor=executor, concurrency=concurrency, timeout_s=timeout_s)
         scorer = self.scorers[key]
+        if type(responses) is not Rows or responses.flat is None:
+            given = list(ctx.lengths.get("response_len", ()))
+            responses = trimmed_rows(responses, given) if given else Rows(torch.zeros(0, dtype=torch.int64), [])
         lengths = responses.lengths
         rows = len(lengths)
         ends = list(accumulate(lengths))  # each row's end in the joined tokens

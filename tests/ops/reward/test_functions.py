@@ -273,6 +273,12 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
     assert unread["reward_metrics"] == out["reward_metrics"]
     # without a time limit the samples are scored on the caller's thread (from the second call, once the
     # function's cost is measured): the same scores, errors and extras
+    # a stage of one's own may give the responses padded: the body takes them back to rows by their lengths
+    padded_in = w.compute_reward(responses.padded(), None, ["add"] * 5, truths, [None] * 5,
+                                 fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
+                                 executor="thread", concurrency=2, timeout_s=10.0, on_error="zero", tokenizer="",
+                                 ctx=ctx)
+    assert torch.equal(padded_in["token_level_scores"].padded(), expected)
     inline = [w.compute_reward(responses, None, ["add"] * 5, truths, [None] * 5,
                                fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
                                executor="thread", concurrency=2, timeout_s=0.0, on_error="zero", tokenizer="",
