@@ -253,7 +253,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
     ``<name>_metrics``. Give another `name` and `score_column` for one source of a mixed reward
     (see `combine_rewards`). A group of several ranks is a pool of reward workers: calls go to the
     least-loaded idle rank (``load/<name>/rank_<r>/rows`` in the metrics)."""
-    spec = OpSpec(
+    return OpSpec(
         name=name,
         # what verl's compute_score is given (the decoded response, its data source, ground truth and extra
         # info), and the response mask: read, it makes a per-group op after the reward (the advantage)
@@ -266,7 +266,7 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         granularity="sample",
         group=group,
         params=params_of(RewardSettings),
-        impl=_RULE_REWARD,
+        impl="rlgraph.ops.reward.rule:RewardWorker.compute_reward",
         batching=Batching(micro_batch="micro_batch_size"),
         drops=True,  # on_error=drop_group
         drops_if=_drops_on_error,
@@ -275,17 +275,12 @@ def reward(group: str = "reward", name: str = "reward", score_column: str = "tok
         # each sample is scored alone: a call of several micro-batches (ready chunks batched, or the op
         # fused into the policy's call) decodes and scores them at once, with a metrics record per chunk
         vectorised=True,
+        # the body decodes each response as it is and writes its score into rows of the same lengths: it
+        # takes the responses (and the mask it reads only for fusion) as their rows. A body of one's own
+        # (impl=, here or through with_) gets them padded, as any op, unless it names as_rows itself
+        # (`OpSpec.with_`), and inputs given here keep only the names they still hold
+        as_rows=("responses", "response_mask"),
     ).with_(**changes)
-    if "as_rows" in changes:
-        return spec
-    # the built-in body decodes each response as it is and writes its score into rows of the same lengths:
-    # it takes the responses (and the mask it reads only for fusion) as their rows; a body of one's own
-    # (impl=, here or through with_) gets them padded, as any op, unless it names as_rows itself
-    return spec.with_(as_rows=[c for c in _REWARD_ROWS if c in spec.inputs]) if spec.impl == _RULE_REWARD else spec
-
-
-_RULE_REWARD = "rlgraph.ops.reward.rule:RewardWorker.compute_reward"
-_REWARD_ROWS = ("responses", "response_mask")
 
 
 def _score_type(score_column: str, doc: str) -> ColumnType:

@@ -75,8 +75,7 @@ class RewardWorker:
             self.scorers[key] = RewardScorer(fn, executor=executor, concurrency=concurrency, timeout_s=timeout_s)
         scorer = self.scorers[key]
         if type(responses) is not Rows or responses.flat is None:
-            given = list(ctx.lengths.get("response_len", ()))
-            responses = trimmed_rows(responses, given) if given else Rows(torch.zeros(0, dtype=torch.int64), [])
+            responses = trimmed_rows(responses, ctx.lengths.get("response_len", ()))
         lengths = responses.lengths
         rows = len(lengths)
         ends = list(accumulate(lengths))  # each row's end in the joined tokens
