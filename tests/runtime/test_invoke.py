@@ -297,6 +297,9 @@ def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
         [torch.tensor(1.5), torch.tensor(-2.0)],  # 0-d rows
         [torch.rand(2, generator=g), torch.rand(1, 2, generator=g)],  # mixed numbers of dimensions
         Rows(torch.rand(6, generator=g), [2, 0, 4]),  # 1-D rows of one flat tensor
+        Rows(torch.rand(5, generator=g), [0, 0, 2, 3, 0, 0]),  # empty rows first and last
+        Rows(torch.rand(0, generator=g), [0, 0]),  # no elements at all
+        [torch.rand(n, generator=g, dtype=torch.float64).to(torch.bfloat16) for n in (2, 0, 3)],  # not numpy's dtype
         [[1, 2, 3], [4]],  # lists of numbers
         torch.rand(4, 3, generator=g),  # a dense column
     ]
