@@ -21,7 +21,9 @@ a put or a get is still one round trip to a storage unit, with a few dozen bytes
   last call has returned; after a failed step, once its other calls have ended,
   `rlgraph.runtime.fleet.Fleet.fence`), the segments of that partition's puts go to a free list
   and later puts write into them again, each only once no reader holds it (below). At most
-  `KEEP_FREE` segments are kept free; older ones are removed.
+  `KEEP_FREE` segments are kept free; older ones are removed. A reused segment also keeps the cells
+  of its last put's dense columns: a put of the same layout (offset, dtype, shape) sends them again
+  rather than making 1,024 descriptors anew (16 MB: 2.1-2.4 -> 1.9-2.0 ms a put).
 - **Reads map, they do not copy.** A get maps each segment it reads (`lease`: copy-on-write,
   ``MAP_PRIVATE``, its pages mapped in before the get returns, `populate`) and `cells.decode`
   hands the op tensors over that mapping: no copy, and no fresh pages to fault in (copying 16 MB
@@ -55,7 +57,7 @@ import re
 import secrets
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -108,6 +110,9 @@ class _Segment:
     buffer: mmap.mmap
     capacity: int
     fd: int  # the writer's own descriptor of the file: tells whether a reader still holds it (`_held`)
+    # the cells of the dense columns its last put laid out, by (offset, dtype, shape): a reused segment's
+    # next put of the same layout sends the same cells (1,024 rows: 0.14-0.24 ms to build again)
+    cells: dict[tuple, list[bytes]] = field(default_factory=dict)
 
 
 class Placed:
@@ -128,6 +133,22 @@ class Placed:
         with memoryview(buffer):
             for name, col in self._columns.items():
                 cells.write(col, buffer, self._offsets[name])
+
+
+def _cells(segment: _Segment, columns: dict[str, _Column], offsets: dict[str, int]) -> dict[str, list[bytes]]:
+    """The cells of `columns` laid out in `segment` at `offsets`: a dense column's as the segment's last
+    put of the same layout sent them (a cell holds only the dtype, the row shape, the segment and the
+    row's offset), else made (`cells.shared`); the segment keeps this put's dense cells."""
+    out, kept = {}, {}
+    for name, col in columns.items():
+        if col.kind != "dense":
+            out[name] = cells.shared(col, segment.name, offsets[name])
+            continue
+        key = (offsets[name], col.value.dtype, tuple(col.value.shape))
+        made = segment.cells.get(key)
+        out[name] = kept[key] = made if made is not None else cells.shared(col, segment.name, offsets[name])
+    segment.cells = kept
+    return out
 
 
 def _capacity(nbytes: int) -> int:
@@ -170,7 +191,7 @@ class Segments:
         if segment is None:
             return None
         try:
-            cells_ = {name: cells.shared(col, segment.name, offsets[name]) for name, col in big.items()}
+            cells_ = _cells(segment, big, offsets)
         except BaseException:
             self._give_back(segment)
             raise

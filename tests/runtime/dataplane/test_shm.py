@@ -112,6 +112,35 @@ def test_a_cleared_partition_s_segment_is_written_again_by_the_next_put(prefix):
     assert len(_files(prefix)) == 1
 
 
+def test_a_reused_segment_sends_its_last_cells_again_only_for_the_same_layout(prefix):
+    # a dense column's cells hold only its dtype, row shape, segment and offsets: the next put of the same
+    # layout into the same segment sends the very cells of the last one, any other layout cells of its own
+    segments = shm.Segments(prefix)
+    try:
+        first = _put(segments, "step_0", x=torch.randn(64, 1024))["x"]
+        segments.forget("step_0")
+        y = torch.randn(64, 1024)
+        second = _put(segments, "step_1", x=y)["x"]
+        assert second is first
+        _same(cells.decode(second, segments), y)
+        segments.forget("step_1")
+        for other in (torch.randn(60, 1024), torch.randn(64, 1024, dtype=torch.float64)[:, :512],
+                      torch.randn(64, 2, 512)):  # fewer rows, another dtype, another row shape
+            third = _put(segments, "step_2", x=other)["x"]
+            assert len(_files(prefix)) == 1 and third is not first and third != first
+            _same(cells.decode(third, segments), other)
+            segments.forget("step_2")
+        both = _put(segments, "step_3", w=torch.randn(64, 1024), x=torch.randn(64, 1024))  # a larger segment
+        segments.forget("step_3")
+        w, x = torch.randn(64, 1024), torch.randn(64, 1024)
+        again = _put(segments, "step_4", w=w, x=x)
+        assert again["w"] is both["w"] and again["x"] is both["x"] and again["w"] != again["x"]
+        _same(cells.decode(again["w"], segments), w)
+        _same(cells.decode(again["x"], segments), x)
+    finally:
+        segments.close()
+
+
 def test_at_most_keep_free_segments_wait_for_reuse(prefix):
     segments = shm.Segments(prefix)
     try:
