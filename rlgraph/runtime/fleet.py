@@ -40,6 +40,7 @@ CONTROL = "control"  # the worker actors' concurrency group for imports during a
 PLANE = "data plane"  # the data plane's name among the dead (`rlgraph.runtime.runner`)
 WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
 SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
+WORKER_CLOSE_S = 15.0  # closing waits this long for the workers to close their worker classes
 PG_REMOVE_S = 5.0  # closing waits this long for Ray to remove the placement groups
 GUEST_STOP_S = 5.0  # closing waits this long for the data plane to let go of a hosted source
 FORGET_BATCH = 4  # cleared partitions a worker is told of with its next call; at this many, on their own
@@ -100,12 +101,12 @@ class Fleet:
         try:
             self.start()
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(graceful=exc_type is None)
 
     def start(self) -> None:
         t0 = time.time()
@@ -386,14 +387,40 @@ class Fleet:
                 dead.add(g)
         return dead
 
-    def close(self) -> None:
-        """Stop what this run started: actors, placement groups, the data plane, Ray (if ours)."""
+    @staticmethod
+    def _close_workers(workers: list[Any]) -> None:
+        """Let each worker close its worker classes (`GroupWorker.close`: a vLLM engine shuts its processes
+        down and removes its shared memory, which a kill leaves behind) before it is killed. A worker still
+        in a call closes after it; one that is dead, fails or takes longer than `WORKER_CLOSE_S` is killed
+        as it is."""
+        import ray
+
+        if not workers:
+            return
+        refs = [w.close.remote() for w in workers]
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=WORKER_CLOSE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:  # a dead actor, or a close that raised: it is killed next
+                log.debug("a worker did not close: %s", e)
+        if pending:
+            log.warning("%d worker(s) did not close within %.0fs (a call still running?); killing them as they are",
+                        len(pending), WORKER_CLOSE_S)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop what this run started: actors, placement groups, the data plane, Ray (if ours). `graceful`
+        (a run that ended, not one that failed or was interrupted, whose calls may still be running):
+        the workers close their worker classes first (`_close_workers`)."""
         try:
             import ray
         except ImportError:  # pragma: no cover
             return
         if ray.is_initialized():
-            for w in [w for ws in self.workers.values() for w in ws]:
+            workers = [w for ws in self.workers.values() for w in ws]
+            if graceful:
+                self._close_workers(workers)
+            for w in workers:
                 ray.kill(w, no_restart=True)
             self._stop_source()
             from ray.util.placement_group import remove_placement_group

@@ -25,6 +25,7 @@ with a `BindingError` naming both. Nothing here depends on Ray, so it is unit-te
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -36,6 +37,8 @@ from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.rows import Rows, pad_rows, rows_of, tensors, trimmed_rows
 from rlgraph.seeds import stable_seed
+
+log = logging.getLogger("rlgraph.runtime")
 
 __all__ = ["OpContext", "OpError", "BindingError", "binding_problems", "to_call_value",
            "check_outputs", "Invoker", "TORCH_DTYPES"]
@@ -326,6 +329,21 @@ class Invoker:
         var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.values())
         params = {k: v for k, v in op.params.items() if k not in op.runtime_params or k in sig or var_kw}
         return _Bound(fn, params, _CTX in sig)
+
+    def close(self) -> None:
+        """Close every worker-class instance that has a ``close`` (a vLLM engine's processes and shared
+        memory, a reward's process pool, a judge's connections, an agent's environments), the last made
+        first. One that fails is logged and the others are closed still."""
+        for key, inst in reversed(list(self.instances.items())):
+            close = getattr(inst, "close", None)
+            if not callable(close):
+                continue
+            try:
+                close()
+            except Exception as e:  # the process ends next: say so, and close the rest
+                log.warning("closing %s (group %s, rank %d) failed: %s: %s", key, self.group, self.rank,
+                            type(e).__name__, e)
+        self.instances.clear()
 
     def _worker_context(self) -> OpContext:
         return OpContext(op="", group=self.group, rank=self.rank, dp=self.dp, step=-1, chunk=-1,

@@ -82,8 +82,8 @@ class Runner:
         self._started()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.fleet.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.fleet.close(graceful=exc_type is None)  # a failed or interrupted run's calls may still be running
 
     def start(self) -> None:
         self.fleet.start()

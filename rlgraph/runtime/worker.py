@@ -646,6 +646,10 @@ class GroupWorker:
         return True
 
     def close(self) -> None:
+        """The end of the run (`rlgraph.runtime.fleet.Fleet.close`, before it kills this actor): close its
+        worker classes (`Invoker.close`), then its data-plane client."""
+        if self.invoker is not None:
+            self.invoker.close()
         if self.client is not None:
             self.client.close()
 

@@ -7,9 +7,13 @@ reads the state produced by update) -> adv (barrier, whitening over real rows) -
 Padding rows score 1000, so a metric that included them would show it.
 """
 
+import os
+import tempfile
+from pathlib import Path
+
 import torch
 
-from rlgraph import Cluster, DataSource, Param, Pipeline, T, WorkerGroup, op
+from rlgraph import Cluster, DataSource, Param, Pipeline, T, WorkerGroup, op, op_spec
 
 L = "len"
 
@@ -56,11 +60,34 @@ def gen(x: T.float32("xlen"), w: T.float32().state(), *, n: int = 2, fail_step: 
 
 @op(outputs={"token_level_scores": T.float32(L)}, group="reward")
 def score(y: T.float32(L), mask: T.int64(L), is_padding: T.bool(), *, micro_batch_size: int = 3):
+    return _score(y, mask, is_padding)
+
+
+def _score(y, mask, is_padding):
     s = torch.zeros_like(y)
     last = mask.sum(dim=1) - 1
     per_row = torch.where(is_padding, torch.full_like(last, 1000, dtype=y.dtype), (y * mask).sum(dim=1) / 10)
     s[torch.arange(len(y)), last.clamp(min=0)] = per_row
     return {"token_level_scores": s}
+
+
+class ClosingScore:
+    """`score` as a worker class that says when it was closed: a file named by its run's seed and its
+    process in CLOSED_DIR (tests of the end of a run)."""
+
+    def setup(self, ctx):
+        self.seed = ctx.seed
+
+    def score(self, y, mask, is_padding, *, micro_batch_size: int = 3):
+        return _score(y, mask, is_padding)
+
+    def close(self):
+        CLOSED_DIR.mkdir(parents=True, exist_ok=True)
+        (CLOSED_DIR / f"{self.seed}-{os.getpid()}").touch()
+
+
+CLOSED_DIR = Path(tempfile.gettempdir()) / "rlgraph-test-closed"
+closing_score = op_spec(score).with_(impl=f"{__name__}:ClosingScore.score", impl_file=__file__)
 
 
 @op(outputs={"values": T.float32(L)}, group="critic")

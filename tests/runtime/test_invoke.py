@@ -385,3 +385,34 @@ def test_as_rows_names_only_ragged_inputs_of_one_dimension(as_rows, message):
 
 def _takes_total(tokens: T.float32(R), total: T.float32()):
     return {"x": total}
+
+
+def test_closing_an_invoker_closes_each_worker_class_once_and_goes_on_past_one_that_fails(caplog):
+    # the end of a run (`GroupWorker.close`): every instance with a close(), the last made first; one that
+    # raises is logged, and the others are closed still
+    import sys
+    from pathlib import Path
+
+    from rlgraph.graph.loader import load_pipeline
+
+    pipeline, ref = load_pipeline(str(Path(__file__).parents[1] / "resources" / "tensor_pipeline.py"))
+    resources = sys.modules[pipeline.op("score").impl.split(":")[0]]
+    plan = rlgraph.compile(pipeline.with_ops(resources.closing_score), ["trainer.seed=424242"], pipeline_ref=ref)
+    inv = Invoker(plan, "reward", 0, 1)
+    closed = []
+
+    class Other:
+        def close(self):
+            closed.append("other")
+            raise RuntimeError("its engine was gone already")
+
+    inst = next(iter(inv.instances.values()))
+    inst.close = lambda: closed.append("scorer")
+    inv.instances["later:Other"] = Other()
+    inv.instances["no_close:Plain"] = object()
+    with caplog.at_level("WARNING", logger="rlgraph.runtime"):
+        inv.close()
+    assert closed == ["other", "scorer"] and inv.instances == {}
+    assert "closing later:Other (group reward, rank 0) failed: RuntimeError: its engine was gone already" in caplog.text
+    inv.close()  # closed already: nothing is closed twice
+    assert closed == ["other", "scorer"]

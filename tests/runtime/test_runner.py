@@ -131,6 +131,31 @@ def test_raising_op_fails_the_step_with_op_rank_step_and_samples(tq_plane, tmp_p
     assert _run(_plan(*PADDED), tmp_path / "after", tq_plane, steps=1)
 
 
+def test_a_run_that_ends_closes_its_worker_classes_and_a_failed_one_is_killed_as_it_is(tq_plane, tmp_path):
+    # a worker class's close() (a vLLM engine's processes and shared memory) runs when the run ends; a run
+    # that fails, whose calls may still be running, kills its workers without waiting for them
+    import random
+    import sys
+
+    pipeline, ref = load_pipeline(PIPELINE)
+    resources = sys.modules[pipeline.op("score").impl.split(":")[0]]
+    pipeline = pipeline.with_ops(resources.closing_score)
+    closed = resources.CLOSED_DIR
+    for fail in (False, True):
+        seed = random.randrange(1 << 30)
+        plan = compile(pipeline, [*PADDED, f"trainer.seed={seed}", *(["gen.fail_step=0"] if fail else [])],
+                       pipeline_ref=ref)
+        if fail:
+            with pytest.raises(OpError, match="gen was told to fail"):
+                _run(plan, tmp_path / "failed", tq_plane, steps=1)
+        else:
+            assert len(_run(plan, tmp_path / "ended", tq_plane, steps=1)) == 1
+        marks = sorted(closed.glob(f"{seed}-*")) if closed.is_dir() else []
+        for m in marks:
+            m.unlink()
+        assert len(marks) == (0 if fail else 1)  # the reward group's one rank
+
+
 def test_missing_resources_fail_before_any_actor_starts(tq_plane, tmp_path):
     plan = _plan("cluster.gpus_per_node=2", "groups.critic.num_gpus=1")
     runner = Runner(plan, RunOptions(out_dir=tmp_path, timeout_s=30), plane=tq_plane)
