@@ -94,6 +94,7 @@ class Fleet:
         self._forget_pending: dict[Any, list[str]] = {}
         self._parts_readers: dict[str, bool] = {}  # streaming op -> whether its parts are sent as they come
         self.node_of: dict[tuple[str, int], str] = {}  # (group, rank) -> the Ray node id it runs on
+        self.started = False  # start() finished: every worker set up (only then may close() wait for them)
         self.nodes: dict[str, dict[str, float]] = {}  # Ray node id -> resources, at start
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,6 +132,7 @@ class Fleet:
             if self._starter is not None:
                 self._starter.shutdown(wait=True)  # on a failure too: close() then stops what it started
                 self._starter = None
+        self.started = True
         heap.freeze()  # the driver's imports, plan and handles: out of the collector's full collections
 
     def _start_workers(self) -> None:
@@ -410,16 +412,22 @@ class Fleet:
 
     def close(self, graceful: bool = True) -> None:
         """Stop what this run started: actors, placement groups, the data plane, Ray (if ours). `graceful`
-        (a run that ended, not one that failed or was interrupted, whose calls may still be running):
-        the workers close their worker classes first (`_close_workers`)."""
+        (a run that ended, not one that failed or was interrupted, whose calls may still be running),
+        once `start` has finished: the workers close their worker classes first (`_close_workers`). An
+        interrupt during that wait (Ctrl-C) ends the wait, not the rest: everything is stopped, then the
+        interrupt is raised."""
         try:
             import ray
         except ImportError:  # pragma: no cover
             return
+        interrupted: BaseException | None = None
         if ray.is_initialized():
             workers = [w for ws in self.workers.values() for w in ws]
-            if graceful:
-                self._close_workers(workers)
+            if graceful and self.started:
+                try:
+                    self._close_workers(workers)
+                except BaseException as e:  # noqa: BLE001 - an interrupt: stop everything first, then raise it
+                    interrupted = e
             for w in workers:
                 ray.kill(w, no_restart=True)
             self._stop_source()
@@ -444,6 +452,9 @@ class Fleet:
         if self.ray is not None:
             self.ray.shutdown()
             self.ray = None
+        self.started = False
+        if interrupted is not None:
+            raise interrupted
 
     # ------------------------------------------------------------------ calls and waits
     def get(self, refs: list[Any], what: str) -> list[Any]:

@@ -243,7 +243,7 @@ def _row_sums(value: Any) -> list[float]:
     if filled.any():
         starts = np.cumsum(counts) - counts
         # each filled row's sum runs from its start to the next filled row's: the empty rows between add nothing
-        sums[filled] = np.add.reduceat(joined(rows).double().numpy(), starts[filled])
+        sums[filled] = np.add.reduceat(joined(rows).detach().cpu().double().numpy(), starts[filled])
     return sums.tolist()
 
 

@@ -300,11 +300,12 @@ def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
         Rows(torch.rand(5, generator=g), [0, 0, 2, 3, 0, 0]),  # empty rows first and last
         Rows(torch.rand(0, generator=g), [0, 0]),  # no elements at all
         [torch.rand(n, generator=g, dtype=torch.float64).to(torch.bfloat16) for n in (2, 0, 3)],  # not numpy's dtype
+        [torch.rand(n, generator=g, requires_grad=True) for n in (2, 3)],  # rows a body left in autograd
         [[1, 2, 3], [4]],  # lists of numbers
         torch.rand(4, 3, generator=g),  # a dense column
     ]
     for rows in cases:
-        expected = [float(torch.as_tensor(r).double().sum()) for r in rows]
+        expected = [float(torch.as_tensor(r).detach().double().sum()) for r in rows]
         assert _row_sums(rows) == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert _row_sums([]) == []
 

@@ -156,6 +156,29 @@ def test_a_run_that_ends_closes_its_worker_classes_and_a_failed_one_is_killed_as
         assert len(marks) == (0 if fail else 1)  # the reward group's one rank
 
 
+def test_an_interrupt_while_the_workers_close_still_stops_them_and_is_raised(tq_plane, tmp_path, monkeypatch):
+    # Ctrl-C (or SIGTERM) during the wait for the workers' close: the actors are killed all the same
+    import ray
+
+    from rlgraph.runtime.fleet import Fleet
+
+    runner = Runner(_plan(*PADDED), RunOptions(out_dir=tmp_path, timeout_s=60), plane=tq_plane)
+    runner.start()
+    workers = [w for ws in runner.fleet.workers.values() for w in ws]
+    assert workers and runner.fleet.started
+
+    def interrupted(_workers):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Fleet, "_close_workers", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        runner.close()
+    for w in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(w.ping.remote(), timeout=30)
+    assert runner.fleet.workers == {} and not runner.fleet.started
+
+
 def test_missing_resources_fail_before_any_actor_starts(tq_plane, tmp_path):
     plan = _plan("cluster.gpus_per_node=2", "groups.critic.num_gpus=1")
     runner = Runner(plan, RunOptions(out_dir=tmp_path, timeout_s=30), plane=tq_plane)
