@@ -21,27 +21,67 @@ plane) and the rollout (`rlgraph.ops.rollout.parts`) both use it.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Rows", "rows_of", "tensors", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad"]
+__all__ = ["Rows", "rows_of", "tensors", "joined", "pad_rows", "pad_flat", "trimmed_rows", "left_pad", "reads_flat",
+           "READS_FLAT"]
+
+READS_FLAT = "__rlgraph_reads_flat__"
+_CUT_LOCK = threading.Lock()
+
+
+def reads_flat(fn: Any) -> Any:
+    """Mark an op body that reads the inputs it takes ``as_rows`` only through their `Rows.flat` and
+    `Rows.lengths` (or `Rows.padded`, or as a list from Python): the runtime then gives them without
+    cutting their row views first (a body that hands them to torch as a list, ``torch.cat(rows)``,
+    must not be marked: uncut, such C code sees no rows). For a method, mark the function in the class;
+    a wrapper made with ``functools.wraps`` copies the mark, so mark only what reads as said."""
+    setattr(fn, READS_FLAT, True)
+    return fn
 
 
 class Rows(list):
-    """1-D rows that are views into `flat`, in order, of `lengths` elements each (see the module)."""
+    """1-D rows that are views into `flat`, in order, of `lengths` elements each (see the module).
 
-    __slots__ = ("flat", "lengths", "_padded")
+    The views are made when the rows are first read as a list (an index, a loop, ``len`` aside, any
+    list method), not when the `Rows` is made: most columns are only ever read through `flat` (the
+    data plane's put, the padding for an op, the summaries), and cutting 512 views took 0.2-0.4 ms a
+    column, a few ms a step at 64 x 8. Until then the list itself is empty, so C code that reads a
+    list's items without asking it (torch's ``cat`` or ``stack`` given it directly) would see no rows:
+    `rlgraph.runtime.invoke` gives a body its rows cut (`cut`), and rlgraph's own code reads a `Rows`
+    through `flat`, or as a list by Python (``list(rows)``, a loop), which cuts it first."""
+
+    __slots__ = ("flat", "lengths", "_padded", "_cut")
 
     def __init__(self, flat: torch.Tensor, lengths: Sequence[int]) -> None:
         if flat.dim() != 1:
             raise ValueError(f"Rows takes a 1-D flat tensor of the rows one after another, got shape "
                              f"{tuple(flat.shape)}")
+        super().__init__()
         lengths = list(lengths)
-        super().__init__(flat.split(lengths) if lengths else ())
+        if lengths and (sum(lengths) != flat.shape[0] or min(lengths) < 0):  # what the views' split would refuse
+            raise ValueError(f"Rows of lengths summing to {sum(lengths)} (smallest {min(lengths, default=0)}) "
+                             f"cannot be cut from a flat tensor of {flat.shape[0]} elements; give each row's "
+                             f"length, in order")
         self.flat: torch.Tensor | None = flat
         self.lengths = lengths
         self._padded: torch.Tensor | None = None
+        self._cut = not lengths  # whether the list holds the views (`cut`)
+
+    def cut(self) -> Rows:
+        """The rows as a list's items, the views of `flat` made now if not yet (what C code that reads a
+        list directly needs); itself. Threads may race to it: the views are made outside the lock (torch
+        lets go of the GIL), put in under it, and the flag set only once they are in."""
+        if not self._cut:
+            views = self.flat.split(self.lengths)
+            with _CUT_LOCK:
+                if not self._cut:
+                    list.extend(self, views)
+                    self._cut = True
+        return self
 
     def padded(self) -> torch.Tensor:
         """The rows right-padded with zeros, ``[rows, longest]`` (as ``pad_sequence`` gives them); the
@@ -55,14 +95,19 @@ class Rows(list):
         return padded
 
     def shared(self) -> Rows:
-        """A new `Rows` of the same row tensors (no copy, no new views): a list of its own for a reader,
-        which may change the list but not the tensors. Only for a `Rows` that still has its flat tensor."""
+        """A new `Rows` of the same row tensors (no copy; views only if these were cut already): a list of
+        its own for a reader, which may change the list but not the tensors. Only for a `Rows` that still
+        has its flat tensor."""
         out = Rows.__new__(Rows)
-        list.extend(out, self)
+        if self._cut:
+            list.extend(out, list.__iter__(self))
         # not the kept padding: a reader may change what `padded` gives it, which no version counter of
         # the rows tells; the lengths its own list
-        out.flat, out.lengths, out._padded = self.flat, list(self.lengths), None
+        out.flat, out.lengths, out._padded, out._cut = self.flat, list(self.lengths), None, self._cut
         return out
+
+    def __len__(self) -> int:
+        return list.__len__(self) if self._cut else len(self.lengths)
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.flat is not None:  # the flat tensor once (a view's pickle holds its whole storage)
@@ -72,16 +117,40 @@ class Rows(list):
     def __copy__(self) -> list:
         return list(self)
 
+    def __radd__(self, other: Any) -> Any:  # ``a_list + rows``: cut, then the list's own concatenation
+        self.cut()
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return list.__repr__(self.cut())
+
 
 def _split(flat: torch.Tensor, lengths: list[int]) -> list:
     """An unpickled `Rows`: a plain list of views of `flat`."""
     return list(flat.split(lengths)) if lengths else []
 
 
+def _cutting(name: str) -> Any:
+    base = getattr(list, name)
+
+    def method(self: Rows, *args: Any, **kwargs: Any) -> Any:
+        if not self._cut:
+            self.cut()
+        for a in args:  # another Rows read by the list's C code (``==``, ``+``) is cut too
+            if type(a) is Rows and not a._cut:
+                a.cut()
+        return base(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
 def _forgetting(name: str) -> Any:
     base = getattr(list, name)
 
     def method(self: Rows, *args: Any, **kwargs: Any) -> Any:
+        if not self._cut:
+            self.cut()
         self.flat, self._padded = None, None  # the rows no longer are `flat`'s views, in order
         return base(self, *args, **kwargs)
 
@@ -90,6 +159,10 @@ def _forgetting(name: str) -> Any:
 
 
 torch.serialization.add_safe_globals([_split])  # a `Rows` in a torch.save'd file loads with weights_only
+
+for _name in ("__getitem__", "__iter__", "__reversed__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
+              "__gt__", "__ge__", "__add__", "__mul__", "__rmul__", "index", "count", "copy"):
+    setattr(Rows, _name, _cutting(_name))
 
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
               "clear", "sort", "reverse"):

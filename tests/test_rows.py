@@ -122,6 +122,10 @@ def test_rows_of_gives_any_stored_form_of_a_column_as_rows_sharing_what_it_can()
 
     kept = Rows(torch.tensor([1, 2, 3, 4]), [1, 3])
     kept.padded()
+    uncut = rows_of(kept, torch.int64)  # neither has views yet: each makes its own when read as a list
+    assert uncut is not kept and uncut.flat is kept.flat and len(uncut) == 2 and list.__len__(uncut) == 0
+    assert [r.tolist() for r in uncut] == [[1], [2, 3, 4]] and list.__len__(kept) == 0
+    kept.cut()
     shared = rows_of(kept, torch.int64)
     assert shared is not kept and shared.flat is kept.flat and shared[1] is kept[1]  # no copy, no new views
     # but not the kept padding, which a reader could change unseen, nor the list of lengths
@@ -140,3 +144,79 @@ def test_rows_of_gives_any_stored_form_of_a_column_as_rows_sharing_what_it_can()
         rows_of([torch.ones(2, 2)], torch.float32)
     with pytest.raises(ValueError, match=r"\[rows, width\]"):
         rows_of(torch.ones(2, 2, 2), torch.float32)
+
+
+def test_rows_cut_their_views_when_first_read_as_a_list_and_c_code_gets_them_cut():
+    """The views are made at the first read as a list, whatever the read; `cut` makes them for C code
+    that reads a list's items directly (torch's list arguments), and the runtime cuts a body's rows."""
+    flat = torch.arange(6)
+
+    def fresh() -> Rows:
+        r = Rows(flat, [2, 0, 4])
+        assert list.__len__(r) == 0 and len(r) == 3 and bool(r)  # nothing cut, the length known
+        return r
+
+    expect = [[0, 1], [], [2, 3, 4, 5]]
+    reads = {
+        "index": lambda r: [r[0].tolist(), r[1].tolist(), r[-1].tolist()],
+        "slice": lambda r: [x.tolist() for x in r[0:3]],
+        "loop": lambda r: [x.tolist() for x in r],
+        "list": lambda r: [x.tolist() for x in list(r)],
+        "tuple": lambda r: [x.tolist() for x in tuple(r)],
+        "reversed": lambda r: [x.tolist() for x in reversed(r)][::-1],
+        "unpack": lambda r: [x.tolist() for x in (lambda a, b, c: (a, b, c))(*r)],
+        "copy": lambda r: [x.tolist() for x in r.copy()],
+        "add": lambda r: [x.tolist() for x in r + []],
+        "radd": lambda r: [x.tolist() for x in [] + r],
+        "mul": lambda r: [x.tolist() for x in (r * 1)],
+        "cat": lambda r: [torch.cat(r.cut()).tolist()[:2], [], torch.cat(r).tolist()[2:]],
+    }
+    for name, read in reads.items():
+        assert read(fresh()) == expect, name
+    r = fresh()
+    assert r.index(r[0]) == 0 and r[0] in r
+    ones = torch.tensor([5, 6, 7])  # rows of one element: their == gives one truth value
+    a, b = Rows(ones, [1, 1, 1]), Rows(ones.clone(), [1, 1, 1])
+    assert a == b and not a != b and list.__len__(b) == 3  # the other one is cut for the list's C code too
+    assert Rows(ones, [1, 1, 1]).count(torch.tensor(6)) == 1
+    assert fresh() != [] and repr(fresh()).startswith("[tensor([0, 1])")
+    changed = fresh()
+    changed.append(torch.tensor([7]))  # a change cuts first, then forgets the flat tensor
+    assert changed.flat is None and [x.tolist() for x in changed] == expect + [[7]]
+    assert Rows(flat, [])._cut and len(Rows(flat, [])) == 0
+    with pytest.raises(ValueError, match="summing to 5"):  # checked when made, as the split was
+        Rows(flat, [2, 3])
+    with pytest.raises(ValueError, match="smallest -1"):
+        Rows(flat, [7, -1])
+    # threads that race to the first read each see every row
+    import threading
+    many = Rows(torch.arange(200_000), [1] * 200_000)
+    seen: list[int] = []
+    readers = [threading.Thread(target=lambda: seen.append(sum(1 for _ in many))) for _ in range(4)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert seen == [200_000] * 4 and list.__len__(many) == 200_000
+    # pickled and unpickled uncut: the flat tensor once, a plain list of views back
+    import pickle
+    back = pickle.loads(pickle.dumps(fresh()))
+    assert type(back) is list and [x.tolist() for x in back] == expect
+
+
+def test_a_body_gets_its_rows_cut_unless_it_reads_only_their_flat_tensor():
+    from rlgraph.graph.plan import ColumnPlan
+    from rlgraph.rows import reads_flat
+    from rlgraph.runtime.invoke import to_call_value
+
+    col = ColumnPlan(name="responses", dtype="int64", shape=["response_len"], level="sample", kind="data",
+                     producer="generate", consumers=["reward"], stored=True)
+    stored = Rows(torch.arange(5), [2, 3])
+    given = to_call_value(col, stored, as_rows=True)
+    assert list.__len__(given) == 2 and torch.cat(given).tolist() == [0, 1, 2, 3, 4]  # torch reads it directly
+    assert list.__len__(to_call_value(col, stored, as_rows=True, uncut=True)) == 0
+
+    @reads_flat
+    def body(responses):
+        return responses
+    assert getattr(body, "__rlgraph_reads_flat__") is True

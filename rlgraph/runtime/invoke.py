@@ -35,7 +35,7 @@ from rlgraph.errors import OpError
 from rlgraph.graph.loader import resolve_impl
 from rlgraph.graph.plan import ColumnPlan, OpBatching, OpPlan, Plan
 from rlgraph.graph.settings import TrainerSettings
-from rlgraph.rows import Rows, pad_rows, rows_of, tensors, trimmed_rows
+from rlgraph.rows import READS_FLAT, Rows, pad_rows, rows_of, tensors, trimmed_rows
 from rlgraph.seeds import stable_seed
 
 log = logging.getLogger("rlgraph.runtime")
@@ -145,13 +145,16 @@ def binding_problems(fn: Callable, columns: Iterable[str], params: Iterable[str]
     return problems
 
 
-def to_call_value(col: ColumnPlan, values: Any, as_rows: bool = False) -> Any:
+def to_call_value(col: ColumnPlan, values: Any, as_rows: bool = False, uncut: bool = False) -> Any:
     """Turn a column's stored per-row values into the argument an op receives (`as_rows`: a ragged
-    column of one dimension as its rows, `rlgraph.rows.Rows`, which the body reads without a copy)."""
+    column of one dimension as its rows, `rlgraph.rows.Rows`, which the body reads without a copy; cut
+    into its row views unless `uncut`: a body marked `rlgraph.rows.reads_flat` reads only their flat
+    tensor and lengths)."""
     if col.dtype in ("str", "json", "opaque") or col.level == "batch":
         return list(values) if isinstance(values, tuple) else values
     if as_rows:
-        return rows_of(values, TORCH_DTYPES[col.dtype])
+        rows = rows_of(values, TORCH_DTYPES[col.dtype])
+        return rows if uncut else rows.cut()
     if isinstance(values, torch.Tensor):
         return values
     ragged = any(isinstance(d, str) for d in col.shape)
@@ -276,6 +279,7 @@ class _Bound:
     fn: Callable
     params: Mapping[str, Any]
     takes_ctx: bool
+    reads_flat: bool = False  # its as_rows inputs may come uncut (`rlgraph.rows.reads_flat`)
 
 
 class Invoker:
@@ -328,7 +332,7 @@ class Invoker:
         sig = inspect.signature(fn).parameters
         var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.values())
         params = {k: v for k, v in op.params.items() if k not in op.runtime_params or k in sig or var_kw}
-        return _Bound(fn, params, _CTX in sig)
+        return _Bound(fn, params, _CTX in sig, bool(getattr(fn, READS_FLAT, False)))
 
     def close(self) -> None:
         """Close every worker-class instance that has a ``close`` (a vLLM engine's processes and shared
@@ -358,7 +362,8 @@ class Invoker:
         """Call the body: its return value (a generator for a streaming body), the rows' lengths, its ctx,
         and the inputs it was given as rows (column, flat tensor, its version then: `_check_given_rows`)."""
         bound = self.bound[op.name]
-        kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name], name in op.as_rows)
+        kwargs: dict[str, Any] = {name: to_call_value(self.plan.columns[name], inputs[name], name in op.as_rows,
+                                                      bound.reads_flat)
                                   for name in op.inputs if name in inputs}
         given = [(name, kwargs[name].flat, kwargs[name].flat._version) for name in op.as_rows if name in kwargs]
         if "is_padding" in kwargs:  # the call's tags, which include rows dropped upstream in this step

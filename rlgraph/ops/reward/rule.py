@@ -31,7 +31,7 @@ from rlgraph.ops.names import ON_ERROR
 from rlgraph.ops.reward.functions import RewardFnError
 from rlgraph.ops.reward.scorer import RewardScorer
 from rlgraph.ops.settings import ActorSettings, DataSettings, RewardSettings, RolloutSettings
-from rlgraph.rows import Rows, trimmed_rows
+from rlgraph.rows import Rows, reads_flat, trimmed_rows
 
 __all__ = ["RewardWorker", "combine_rewards", "env_reward", "overlong_penalty", "overlong_penalties"]
 
@@ -62,6 +62,7 @@ class RewardWorker:
             self.tokenizers[path] = tokenizer_at(path)
         return self.tokenizers[path]
 
+    @reads_flat  # `responses` through its flat tensor and lengths; `response_mask` not at all
     def compute_reward(self, responses: Rows, response_mask: Rows, data_source: list, ground_truth: list,
                        extra_info: list, *, fn: str, executor: str, concurrency: int, timeout_s: float, on_error: str,
                        tokenizer: str, ctx: Any) -> dict[str, Any]:
@@ -95,8 +96,10 @@ class RewardWorker:
                 f"{' ...' if len(failed) > 3 else ''}. Fix the function, or set {ctx.op}.on_error=zero (score "
                 f"them 0) or {ctx.op}.on_error=drop_group (leave their groups out of training)")
         score_col, extra_col, metrics_col = ctx.outputs[0], ctx.outputs[1], ctx.outputs[2]
-        reward_extra: list[dict] = [{} for _ in range(rows)]
-        if extra_col in ctx.wanted:  # filled where an op or the pipeline reads it
+        # filled where an op or the pipeline reads it; else one empty record a row, which nothing reads
+        reward_extra: list[dict] = [{}] * rows
+        if extra_col in ctx.wanted:
+            reward_extra = [{} for _ in range(rows)]
             for k, extra in res.extras.items():
                 reward_extra[real[k]] = dict(extra)
             for i, o in failed:

@@ -38,7 +38,7 @@ from rlgraph.ops.train.logprobs import Scores, enable_token_logprobs, score_rows
 from rlgraph.ops.train.lora import adapters_disabled, apply_lora, has_lora, merged_weights
 from rlgraph.ops.train.sequences import Packed, repack
 from rlgraph.ops.train.update import TrainerMixin, kept_rows
-from rlgraph.rows import trimmed_rows
+from rlgraph.rows import Rows, trimmed_rows
 
 __all__ = ["ActorWorker", "StalenessError"]
 
@@ -189,9 +189,11 @@ class ActorWorker(TrainerMixin):
             versions = cols.pop(VERSIONS, None) or [(self.policy_version, self.policy_version)] * len(rows)
             cols["policy_version"] = torch.tensor([a for a, _ in versions], dtype=torch.int64)
             cols["policy_version_end"] = torch.tensor([b for _, b in versions], dtype=torch.int64)
+            responses = cols["responses"]  # a Rows's lengths, without its row views
+            lens = responses.lengths if type(responses) is Rows and responses.flat is not None else None
             for j, pos in enumerate(rows):
                 if not ctx.is_padding[pos]:
-                    tokens += len(cols["responses"][j])
+                    tokens += lens[j] if lens is not None else len(responses[j])
                     real += 1
                     spanning += versions[j][0] != versions[j][1]
             n_parts += 1

@@ -138,6 +138,8 @@ def _nbytes(value: ColumnData) -> int:
         if value.is_nested:
             return sum(t.numel() * t.element_size() for t in value.unbind())
         return value.numel() * value.element_size()
+    if type(value) is Rows and value.flat is not None:  # its flat tensor: no row views made to count them
+        return value.flat.numel() * value.flat.element_size()
     total = 0
     for v in value:
         if isinstance(v, torch.Tensor):

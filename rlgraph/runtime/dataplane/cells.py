@@ -95,16 +95,15 @@ def encode(col: _Column) -> list[bytes]:
     if col.kind == "ragged":
         values: list[torch.Tensor] = col.value
         data = _raw(joined(values))
-        size = values[0].element_size()
+        dtype, size, shapes = _row_shapes(values)
         heads: dict[tuple[int, ...], bytes] = {}
         out = []
         start = 0
-        for v in values:
-            shape = tuple(v.shape)
+        for shape, numel in shapes:
             head = heads.get(shape)
             if head is None:
-                head = heads[shape] = _header(v.dtype, shape)
-            end = start + v.numel() * size
+                head = heads[shape] = _header(dtype, shape)
+            end = start + numel * size
             out.append(head + data[start:end])
             start = end
         return out
@@ -216,18 +215,24 @@ def shared(col: _Column, name: str, offset: int) -> list[bytes]:
         head = _header(t.dtype, t.shape[1:], b"m")
         n = _nbytes(t) // t.shape[0] if t.shape[0] else 0
         return [head + _OFFSET.pack(offset + i * n) + tail for i in range(t.shape[0])]
-    values: list[torch.Tensor] = col.value
-    size = values[0].element_size()
+    dtype, size, shapes = _row_shapes(col.value)
     heads: dict[tuple[int, ...], bytes] = {}
     out = []
-    for v in values:
-        shape = tuple(v.shape)
+    for shape, numel in shapes:
         head = heads.get(shape)
         if head is None:
-            head = heads[shape] = _header(v.dtype, shape, b"m")
+            head = heads[shape] = _header(dtype, shape, b"m")
         out.append(head + _OFFSET.pack(offset) + tail)
-        offset += v.numel() * size
+        offset += numel * size
     return out
+
+
+def _row_shapes(values: Sequence[torch.Tensor]) -> tuple[torch.dtype, int, list[tuple[tuple[int, ...], int]]]:
+    """A ragged column's dtype, element size and each row's (shape, elements): a `Rows`'s from its flat
+    tensor and lengths, without making its row views; the rows share one dtype (`base._normalize`)."""
+    if type(values) is Rows and values.flat is not None:
+        return values.flat.dtype, values.flat.element_size(), [((n,), n) for n in values.lengths]
+    return values[0].dtype, values[0].element_size(), [(tuple(v.shape), v.numel()) for v in values]
 
 
 def _object(v: Any) -> bytes:
