@@ -53,11 +53,16 @@ def time_plane(plane: Any, col: Any, rows: int, repeats: int) -> tuple[float, fl
     return statistics.median(puts), statistics.median(gets)
 
 
-def time_memcpy(col: Any, repeats: int) -> float:
-    """Copy into already allocated memory (a fresh allocation would add page faults)."""
-    dst = col.clone() if isinstance(col, torch.Tensor) else [c.clone() for c in col]
+def time_memcpy(col: Any, repeats: int, cold: bool = False) -> float:
+    """Copy into already allocated memory (a fresh allocation would add page faults): the same
+    destination each time, or with `cold`, destinations in turn that together exceed the last-level
+    cache twice over, so that each copy writes memory the cache does not hold, as a put's copy into a
+    segment does (the segment was last written a step before)."""
+    count = 1 + (-(-2 * _cache_bytes() // max(nbytes(col), 1)) if cold else 0)
+    dsts = [col.clone() if isinstance(col, torch.Tensor) else [c.clone() for c in col] for _ in range(count)]
     times = []
-    for _ in range(repeats + 1):
+    for k in range(repeats + count):
+        dst = dsts[k % count]
         t0 = time.perf_counter()
         if isinstance(col, torch.Tensor):
             dst.copy_(col)
@@ -65,7 +70,24 @@ def time_memcpy(col: Any, repeats: int) -> float:
             for d, c in zip(dst, col):
                 d.copy_(c)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[count:])
+
+
+def _cache_bytes() -> int:
+    """The last-level cache's size (Linux's sysfs), else 32 MiB."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
 
 
 class _BytesOnly:
@@ -98,6 +120,7 @@ class _BytesOnly:
 SHARED = "TransferQueue + shared memory"
 BYTES = "TransferQueue, bytes only"
 RAY = "Ray object store"
+COLD = "memcpy into memory not in the cache"
 
 
 def time_fresh_copy(col: Any, repeats: int) -> float:
@@ -133,12 +156,16 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
             col = make_column(kind, rows, width)
             b = nbytes(col)
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in planes}
-            for _ in range(3):  # the backends alternate, so that the machine's noise falls on all of them
+            copies, cold_copies = [], []
+            for _ in range(3):  # the backends and the copies alternate: the machine's noise falls on all of them
                 for name, plane in planes.items():
                     # small columns take a few ms a round: more rounds for a steadier median of the fixed cost
                     rounds = max(1, repeats // 2) if b >= 1_000_000 else 4 * repeats
                     times[name].append(time_plane(plane, col, rows, rounds))
-            cp = time_memcpy(col, repeats * 4)
+                copies.append(time_memcpy(col, repeats * 4))
+                if b >= 1_000_000:
+                    cold_copies.append(time_memcpy(col, repeats * 2, cold=True))
+            cp = statistics.median(copies)
             for name in planes:
                 put = statistics.median(x[0] for x in times[name])
                 get = statistics.median(x[1] for x in times[name])
@@ -147,6 +174,11 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
                 summary.setdefault((kind, b), {})[name] = (put, get)
             t.add(kind, f"{rows} x {width}", b, "memcpy", b / cp / 1e6, b / cp / 1e6, 1000 * cp, 1000 * cp, "", "")
             summary[(kind, b)]["memcpy"] = (cp, cp)
+            if cold_copies:
+                cold = statistics.median(cold_copies)
+                t.add(kind, f"{rows} x {width}", b, COLD, b / cold / 1e6, b / cold / 1e6, 1000 * cold, 1000 * cold,
+                      f"{cp / cold:.1%}", f"{cp / cold:.1%}")
+                summary[(kind, b)][COLD] = (cold, cold)
             fresh = time_fresh_copy(col, repeats)
             t.add(kind, f"{rows} x {width}", b, "memcpy into new memory", b / fresh / 1e6, b / fresh / 1e6,
                   1000 * fresh, 1000 * fresh, f"{cp / fresh:.1%}", f"{cp / fresh:.1%}")
@@ -162,7 +194,11 @@ machine). Dense: a `[rows, width]` tensor; ragged: one tensor per row, log-norma
 `width`. Median over the repeats after one warm-up round (columns under 1 MB: {4 * repeats} rounds a turn,
 larger ones {max(1, repeats // 2)}), the backends taking turns three times; MB = 10^6
 bytes. memcpy: `copy_()` of the same tensor(s) into memory allocated beforehand (put and get
-columns show the same copy); "/ memcpy" is memcpy's time over the backend's. "memcpy into new
+columns show the same copy), timed in each turn between the backends'; "/ memcpy" is memcpy's time
+over the backend's. "{COLD}" (columns of 1 MB or more) copies into destinations in
+turn that together exceed twice the last-level cache ({_cache_bytes() >> 20} MiB here), so that each copy
+writes memory the cache does not hold, as a put's copy into its segment does; memcpy into the same
+destination finds both tensors in the cache when they fit (16.8 MB twice: 33.6 MB). "memcpy into new
 memory" allocates the destination each time, holding the last copy while it makes the next, as
 the get rows hold the last get: a get that returns new tensors must write fresh memory, and on
 this machine (a VM) the first touch of a page the allocator has not reused costs about 2.5 us, more
@@ -181,6 +217,10 @@ time includes filling the mapping's page tables, about 1 ms for 16 MB here); {BY
         notes.append(f"Largest {kind} column ({big[1] / 1e6:.1f} MB): " + "; ".join(
             f"{name} put {cp / v[0]:.1%} and get {cp / v[1]:.1%} of memcpy"
             for name, v in summary[big].items() if not name.startswith("memcpy"))
-            + f" (target 25%); memcpy into new memory {cp / summary[big]['memcpy into new memory'][0]:.1%}.")
+            + f" (target 25%); memcpy into new memory {cp / summary[big]['memcpy into new memory'][0]:.1%}"
+            + (f"; against {COLD}: " + "; ".join(
+                f"{name} put {summary[big][COLD][0] / v[0]:.1%} and get {summary[big][COLD][0] / v[1]:.1%}"
+                for name, v in summary[big].items() if not name.startswith("memcpy")) if COLD in summary[big] else "")
+            + ".")
     return common.Section("dataplane", "4. Data plane: put and get", intro, [t], " ".join(notes),
                           common.command_line(argv if argv is not None else ["dataplane"] + (["--quick"] if quick else [])))

@@ -3,8 +3,9 @@
 Run as its own process (one per measured run, as `rlgraph run` is), so start-up is counted the
 same way for both. Writes one JSON line per step to OUT: when the step began and ended (seconds
 since the epoch), the batch's mean reward, and the seconds the step spent in each phase
-(``phase_s``): sampling (``generate``), the reference model's log-probs (``ref``), the reward
-function (``reward``), the whole rollout phase (``rollout``: sampling, rewards, advantages,
+(``phase_s``): sampling (``generate``), of it the decoding of the completions to text (``decode``,
+its tokenizer's ``batch_decode`` inside ``_generate``), the reference model's log-probs (``ref``), the
+reward function (``reward``), the whole rollout phase (``rollout``: sampling, rewards, advantages,
 reference log-probs) and the rest of the step (``update``: the loss's forward and backward and
 the optimizer), timed by wrapping the trainer's own methods.
 
@@ -103,7 +104,22 @@ def _time_phases(trainer, phases: dict[str, float]) -> None:
     def on_ref(args, kwargs):
         return (args[0] if args else kwargs.get("model")) is trainer.ref_model
 
-    trainer._generate = timed("generate", trainer._generate)
+    generating = [False]
+
+    def in_generate(fn):
+        def wrapper(*args, **kwargs):
+            generating[0] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                generating[0] = False
+        return wrapper
+
+    # the completions' decode, which TRL does in _generate and rlgraph in its reward op: counted apart,
+    # so that each phase can be compared with the same work on both sides
+    tok = trainer.processing_class
+    tok.batch_decode = timed("decode", tok.batch_decode, lambda args, kwargs: generating[0])
+    trainer._generate = timed("generate", in_generate(trainer._generate))
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed("ref", trainer._get_per_token_logps_and_entropies, on_ref)
     trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions)

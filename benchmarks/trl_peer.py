@@ -63,6 +63,10 @@ UNFUSED = "rlgraph, unfused"  # trainer.fuse_ops=false: every op dispatched on i
 SETTINGS = [(16, 45, 5), (32, 35, 5), (64, 25, 5)]  # (prompts per step, steps, first steps left out of s/step)
 # the phases compared (item 7): rlgraph's op -> the same work in TRL's step (benchmarks.trl_grpo's phase_s)
 PHASES = {"generate": "generate", "ref": "ref", "reward": "reward", "update_actor": "update"}
+# the decode of the responses to text is in TRL's _generate and in rlgraph's reward op: these rows compare
+# the same work on both sides (TRL's generate less its decode; TRL's reward plus its decode)
+NO_DECODE, WITH_DECODE = "generate, TRL's decode left out", "reward, TRL's decode added"
+ROWS = ["generate", NO_DECODE, "ref", "reward", WITH_DECODE, "update_actor"]
 QUICK = [(4, 3, 0)]
 
 
@@ -96,6 +100,8 @@ def _rlgraph(example: str, batch: int, steps: int, out: Path, seed: int, *overri
     ends = [r["timing/step_end"] for r in records]
     phases = [{op: (r.get(f"timing/{op}/busy_s", 0.0), r.get(f"timing/{op}/io_s", 0.0)) for op in PHASES}
               for r in records]
+    for p in phases:  # rlgraph's generate does not decode, its reward does
+        p[NO_DECODE], p[WITH_DECODE] = p["generate"], p["reward"]
     return {"ends": ends, "first_step_s": records[0]["timing/step_s"], "reward": [r["score/mean"] for r in records],
             "wall": wall, "startup": ends[0] - t0 - records[0]["timing/step_s"], "phases": phases}
 
@@ -115,8 +121,16 @@ def _trl(model: str, batch: int, steps: int, out: Path, seed: int, threads: int 
     head, recs = lines[0], lines[1:]
     return {"ends": [r["t_end"] for r in recs], "first_step_s": recs[0]["t_end"] - recs[0]["t_begin"],
             "reward": [r.get("reward", float("nan")) for r in recs], "wall": wall, "startup": recs[0]["t_begin"] - head["t0"],
-            "phases": [{op: (r.get("phase_s", {}).get(name, float("nan")), 0.0) for op, name in PHASES.items()}
-                       for r in recs]}
+            "phases": [_trl_phases(r.get("phase_s", {})) for r in recs]}
+
+
+def _trl_phases(phase_s: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """One TRL step's phases (`benchmarks.trl_grpo`), as rlgraph's: (seconds, 0 for the data plane)."""
+    out = {op: (phase_s.get(name, float("nan")), 0.0) for op, name in PHASES.items()}
+    decode = phase_s.get("decode", float("nan"))
+    out[NO_DECODE] = (out["generate"][0] - decode, 0.0)
+    out[WITH_DECODE] = (out["reward"][0] + decode, 0.0)
+    return out
 
 
 def _per_step(x: dict[str, Any], skip: int) -> float:
@@ -175,7 +189,7 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                 train_min = statistics.median(x["ends"][-1] - x["ends"][0] + x["first_step_s"] for x in xs) / 60
                 table.add(f"{batch} x {N}", name, step, step / trl_step, statistics.median(x["startup"] for x in xs),
                           statistics.median(x["wall"] for x in xs), gain, gain / train_min if train_min else float("nan"))
-            for op in PHASES:
+            for op in ROWS:
                 ours, theirs = _phase(got["rlgraph"], op, skip), _phase(got["TRL"], op, skip)
                 phases.add(f"{batch} x {N}", op, ours, _phase(got["rlgraph"], op, skip, io=True), theirs,
                            ours / theirs if theirs else float("nan"))
@@ -199,7 +213,8 @@ def run(quick: bool = False, argv: list[str] | None = None, runs: int = 2, svg: 
                "update_actor; 'of it data plane': the calls' own gets and puts), against the time TRL's step spends "
                "in the same work (its _generate, the reference model's log-probs, the reward function, and the step "
                "less its rollout phase: loss, backward and optimizer). Decoding the responses to text falls in TRL's "
-               "_generate and in rlgraph's reward op."),
+               "_generate (its tokenizer's batch_decode, timed apart) and in rlgraph's reward op: the rows "
+               f"'{NO_DECODE}' and '{WITH_DECODE}' compare the same work on both sides."),
         command=common.command_line(argv or ["trl_peer"]),
     )
 

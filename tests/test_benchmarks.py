@@ -116,7 +116,9 @@ def test_dataplane_quick(tmp_path, planes):
     rows = table_rows(doc.read_text(), "dataplane")
     shared = {"TransferQueue + shared memory"} if common.plane("transferqueue").uses_shared_memory() else set()
     assert {r[3] for r in rows[2:]} == shared | {"TransferQueue, bytes only", "Ray object store", "memcpy",
-                                                 "memcpy into new memory"}
+                                                 "memcpy into new memory", dataplane.COLD}
+    # the copy into memory the cache does not hold, for the columns of 1 MB or more only
+    assert {r[2] for r in rows[2:] if r[3] == dataplane.COLD} == {"2,097,152", "2,097,184"}
     assert all(num(r[4]) > 0 and num(r[5]) > 0 for r in rows[2:])
 
 
