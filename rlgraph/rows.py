@@ -7,7 +7,8 @@ read padded by several ops (``responses`` by the reference pass and the update) 
 again for every reader. `Rows` saves the
 padding: the per-row tensors are views into one flat tensor, and a `Rows` keeps that tensor and
 the lengths, so it can give the padded batch in one masked write, once (``padded``), without
-joining the rows first. It is a list, so every reader of per-row tensors reads it as before.
+joining the rows first. It is a list, so every reader of per-row tensors reads it as before from
+Python; C code that reads a list's items directly needs it cut first (`Rows.cut`).
 
 A `Rows` is read, never changed: a reader that changes a row tensor in place changes what every
 later reader gets (as with any list of row tensors kept by the runtime), and the kept padding does
@@ -62,7 +63,7 @@ class Rows(list):
                              f"{tuple(flat.shape)}")
         super().__init__()
         lengths = list(lengths)
-        if lengths and (sum(lengths) != flat.shape[0] or min(lengths) < 0):  # what the views' split would refuse
+        if sum(lengths) != flat.shape[0] or (lengths and min(lengths) < 0):  # what the views' split would refuse
             raise ValueError(f"Rows of lengths summing to {sum(lengths)} (smallest {min(lengths, default=0)}) "
                              f"cannot be cut from a flat tensor of {flat.shape[0]} elements; give each row's "
                              f"length, in order")
