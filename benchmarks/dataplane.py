@@ -8,6 +8,7 @@ row copies the same tensor (or the same per-row tensors) in memory: the ceiling.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any
@@ -73,6 +74,7 @@ def time_memcpy(col: Any, repeats: int, cold: bool = False) -> float:
     return statistics.median(times[count:])
 
 
+@functools.cache
 def _cache_bytes() -> int:
     """The last-level cache's size (Linux's sysfs), else 32 MiB."""
     import glob

@@ -122,9 +122,6 @@ class Rows(list):
         self.cut()
         return NotImplemented
 
-    def __repr__(self) -> str:
-        return list.__repr__(self.cut())
-
 
 def _split(flat: torch.Tensor, lengths: list[int]) -> list:
     """An unpickled `Rows`: a plain list of views of `flat`."""
@@ -162,7 +159,7 @@ def _forgetting(name: str) -> Any:
 torch.serialization.add_safe_globals([_split])  # a `Rows` in a torch.save'd file loads with weights_only
 
 for _name in ("__getitem__", "__iter__", "__reversed__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
-              "__gt__", "__ge__", "__add__", "__mul__", "__rmul__", "index", "count", "copy"):
+              "__gt__", "__ge__", "__add__", "__mul__", "__rmul__", "__repr__", "index", "count", "copy"):
     setattr(Rows, _name, _cutting(_name))
 
 for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",

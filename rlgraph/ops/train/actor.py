@@ -190,10 +190,11 @@ class ActorWorker(TrainerMixin):
             cols["policy_version"] = torch.tensor([a for a, _ in versions], dtype=torch.int64)
             cols["policy_version_end"] = torch.tensor([b for _, b in versions], dtype=torch.int64)
             responses = cols["responses"]  # a Rows's lengths, without its row views
-            lens = responses.lengths if type(responses) is Rows and responses.flat is not None else None
+            lens = responses.lengths if type(responses) is Rows and responses.flat is not None \
+                else [len(r) for r in responses]
             for j, pos in enumerate(rows):
                 if not ctx.is_padding[pos]:
-                    tokens += lens[j] if lens is not None else len(responses[j])
+                    tokens += lens[j]
                     real += 1
                     spanning += versions[j][0] != versions[j][1]
             n_parts += 1
