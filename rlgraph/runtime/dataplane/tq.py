@@ -295,6 +295,9 @@ class _Rows:
         return len(self.global_indexes)
 
 
+_ASKED_KEPT = 64  # row sets a client remembers the addresses of, per partition
+
+
 def _tag(row: int, home: int | None) -> dict[str, Any]:
     """A row's custom metadata on TQ's controller: its row number, and its home unit if it has one."""
     return {"row": row} if home is None else {"row": row, "unit": home}
@@ -382,6 +385,9 @@ class _TQClient(DataPlaneClient):
             raise DataPlaneError(f"could not connect to TransferQueue's storage: {e}") from e
         self._manager: _HomedStorageManager = self._client.storage_manager
         self._rows: dict[str, dict[int, tuple[int, dict[str, Any]]]] = {}  # partition -> row -> (index, custom)
+        # partition -> rows -> their addresses as `_meta` last built them: an op's chunk is put and got
+        # with the same rows several times (1,024 rows: 0.13 ms to build, 0.01 ms to find); read-only
+        self._asked: dict[str, dict[tuple[int, ...], _Rows]] = {}
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
         # large tensor columns through shared memory, on a one-machine plane (`shm`)
         self._segments: shm.Segments | None = shm.Segments(shm_prefix) if shm_prefix else None
@@ -399,6 +405,11 @@ class _TQClient(DataPlaneClient):
         controller the first time this client meets a row, then remembered until the partition is
         forgotten (`forget`, sent when the driver clears it: a partition created again under the
         same name may give its rows other indexes)."""
+        asked = self._asked.get(partition)
+        if asked is not None:
+            meta = asked.get(rows)
+            if meta is not None:
+                return meta
         known = self._rows.setdefault(partition, {})
         pick = operator.itemgetter(*rows) if len(rows) > 1 else (lambda d: (d[rows[0]],))
         try:
@@ -426,10 +437,16 @@ class _TQClient(DataPlaneClient):
             known.update(zip(new, zip(found.global_indexes, custom)))
             pairs = pick(known)
         indexes, custom = zip(*pairs)
-        return _Rows(list(indexes), list(custom))
+        meta = _Rows(list(indexes), list(custom))
+        asked = self._asked.setdefault(partition, {})
+        if len(asked) >= _ASKED_KEPT:
+            del asked[next(iter(asked))]  # the oldest
+        asked[rows] = meta
+        return meta
 
     def forget(self, partition: str) -> None:
         self._rows.pop(partition, None)
+        self._asked.pop(partition, None)
         if self._segments is not None:
             self._segments.forget(partition)
 
@@ -439,6 +456,7 @@ class _TQClient(DataPlaneClient):
         if addresses is None:
             return
         known = self._rows.setdefault(partition, {})
+        self._asked.pop(partition, None)
         for r, (index, home) in zip(rows, zip(*addresses), strict=True):
             known[int(r)] = (int(index), _tag(int(r), home))
 
@@ -586,6 +604,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         # the driver knows its rows: it asks nothing before its own puts and gets, and hands them to
         # the workers with each call (`addresses`), so theirs ask nothing either
         self._rows[partition] = dict(zip(range(num_rows), zip(meta.global_indexes, tags)))
+        self._asked.pop(partition, None)
 
     def addresses(self, partition: str, rows: Sequence[int]) -> tuple[list[int], list[int | None]] | None:
         """(global indexes, home units or None) of `rows`, for the workers' `learn`; None when this

@@ -325,6 +325,8 @@ def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_pl
         with pytest.raises(DataPlaneError, match="never written"):
             client.get(p, (1,), ["x"])  # a row it was not told about: looked up, then found unwritten
         assert len(lookups) == 1
+        with pytest.raises(DataPlaneError, match="never written"):
+            client.get(p, (1, 0), ["x"])  # the addresses of rows (1, 0), remembered together: learn replaces them
         tq_plane.clear(p)
         assert tq_plane.addresses(p, [0]) is None  # a cleared partition has no addresses
         tq_plane.create_partition(p, 2)  # rows without a home: TransferQueue's own rule places them

@@ -354,3 +354,98 @@ def test_a_placed_put_s_cells_come_before_its_bytes_and_a_failed_copy_frees_its_
     segments.forget("q")
     assert segments.in_use() == 1 and segments.free() == 1
     assert segments.place("q", {"y": _normalize("y", torch.ones(2, 2), 2)}) is None  # nothing large: no room taken
+
+
+def _kept_mappings_work() -> bool:
+    return shm._pagemap() is not None
+
+
+@pytest.mark.skipif(not _kept_mappings_work(), reason="this machine's pagemap cannot tell a reader's own pages")
+def test_a_kept_mapping_gives_each_get_the_segment_s_bytes_never_what_an_earlier_op_wrote(prefix):
+    writer = shm.Segments(prefix)
+    reader = shm.Segments(prefix)
+    try:
+        x = torch.randn(256, 1024)  # 1 MiB: 256 pages
+        encoded = _put(writer, "step_0", x=x)["x"]
+        got = cells.decode(encoded, reader)
+        assert reader.mapped() == 1
+        got[3].add_(1.0)  # one page of it now the op's own
+        got[200:210] = 0.0  # and a run of pages
+        del got
+        again = cells.decode(encoded, reader)  # the kept mapping, its written pages dropped
+        assert reader.mapped() == 1
+        _same(again, x)
+        # a second get while the first's tensors live maps its own: writes through one never show in the other
+        other = cells.decode(encoded, reader)
+        other.mul_(0.0)
+        _same(again, x)
+        del other
+        again[7] = 5.0
+        del again
+        # the writer writes the segment again for the next step: the reader sees the new bytes
+        writer.forget("step_0")
+        y = torch.randn(256, 1024)
+        second = _put(writer, "step_1", x=y)["x"]
+        assert second == encoded  # the same segment, reused, and the same cells: parsed once (`cells._TABLES`)
+        _same(cells.decode(second, reader), y)
+        assert reader.mapped() == 1
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.skipif(not _kept_mappings_work(), reason="this machine's pagemap cannot tell a reader's own pages")
+def test_a_get_over_a_kept_mapping_holds_the_segment_until_its_last_tensor_is_gone(prefix):
+    writer = shm.Segments(prefix)
+    reader = shm.Segments(prefix)
+    try:
+        encoded = _put(writer, "step_0", x=torch.randn(64, 1024))["x"]
+        row = cells.decode(encoded, reader)[5]  # a view of one row: the get's lock stays
+        segment = writer._busy["step_0"][0]
+        assert shm._held(segment)
+        del row
+        assert not shm._held(segment)
+        # rows mixed with byte rows are read through the kept mapping too, its written pages dropped
+        got = cells.decode(encoded, reader)
+        got.zero_()
+        del got
+        x = torch.randn(3, 1024)
+        plain = cells.encode(_normalize("x", x, 3))
+        mixed = cells.decode(plain + encoded[3:], reader)
+        assert torch.count_nonzero(mixed[3:]) > 0 and torch.equal(mixed[:3], x)
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.skipif(not _kept_mappings_work(), reason="this machine's pagemap cannot tell a reader's own pages")
+def test_a_reader_lets_go_of_kept_mappings_of_removed_segments_and_keeps_at_most_keep_mapped(prefix, monkeypatch):
+    writer = shm.Segments(prefix)
+    reader = shm.Segments(prefix)
+    try:
+        first = _put(writer, "a", x=torch.randn(64, 1024))["x"]
+        second = _put(writer, "b", x=torch.randn(64, 1024))["x"]
+        cells.decode(first, reader)
+        assert reader.mapped() == 1
+        name = bytes(first[0][-len(_files(prefix)[0]):]).decode()
+        os.unlink(os.path.join(shm.SHM_DIR, name))  # its writer removed it: its memory must go
+        cells.decode(second, reader)
+        assert reader.mapped() == 1 and name not in reader._mapped
+        monkeypatch.setattr(shm, "KEEP_MAPPED", 2)
+        for k in range(4):
+            cells.decode(_put(writer, f"c{k}", x=torch.randn(64, 1024))["x"], reader)
+        assert reader.mapped() == 2
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_where_pagemap_cannot_tell_each_get_maps_its_segment_anew(segments, monkeypatch):
+    monkeypatch.setattr(shm, "_PAGEMAP", [None])
+    x = torch.randn(64, 1024)
+    encoded = _put(segments, "p", x=x)["x"]
+    got = cells.decode(encoded, segments)
+    got.add_(1.0)
+    del got
+    _same(cells.decode(encoded, segments), x)
+    assert segments.mapped() == 0
