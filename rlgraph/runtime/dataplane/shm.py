@@ -70,7 +70,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -305,7 +305,7 @@ class Segments:
                 leased.kept = kept
                 # the lock's file is closed, and the kept mapping free for the next get, once the
                 # last tensor over this lease is gone
-                weakref.finalize(leased, _release, fd, kept, self._lock)
+                weakref.finalize(leased, _release, fd, kept)
             except BaseException:
                 with self._lock:
                     kept.leases = 0
@@ -340,6 +340,9 @@ class Segments:
             raise
         kept = _Kept(name, mapping, fd, ino, len(mapping),
                      np.frombuffer(mapping, dtype=np.uint8).__array_interface__["data"][0], leases=1, fresh=True)
+        # its descriptor is closed when it is unmapped, or, if another thread's get of the same segment
+        # took its place meanwhile, once nothing holds it
+        kept.closer = weakref.finalize(kept, os.close, fd)
         with self._lock:
             self._mapped[name] = kept
             while len(self._mapped) > KEEP_MAPPED or sum(k.size for k in self._mapped.values()) > KEEP_MAPPED_BYTES:
@@ -358,7 +361,7 @@ class Segments:
     @staticmethod
     def _unmap(kept: "_Kept") -> None:
         _close(kept.mapping)
-        os.close(kept.fd)
+        kept.closer()
 
     def mapped(self) -> int:
         """Segments this client keeps mapped for its next gets."""
@@ -409,6 +412,7 @@ class _Kept:
     address: int  # where the mapping starts, for `_pagemap`
     leases: int  # gets whose tensors over it are alive (0 or 1: a second get maps its own)
     fresh: bool  # no page of it mapped in yet
+    closer: Callable[[], Any] = field(default=lambda: None, repr=False)  # closes `fd` once
 
 
 class _Leased(np.ndarray):
@@ -417,10 +421,11 @@ class _Leased(np.ndarray):
     kept: _Kept
 
 
-def _release(fd: int, kept: _Kept, lock: threading.Lock) -> None:
+def _release(fd: int, kept: _Kept) -> None:
+    """A get's last tensor over a kept mapping is gone: its lock goes, and the mapping is free for the
+    next get. No lock taken: the garbage collector may run this inside `Segments._lock`."""
     os.close(fd)
-    with lock:
-        kept.leases = 0
+    kept.leases = 0
 
 
 def _refresh(kept: _Kept, offset: int, nbytes: int) -> None:

@@ -449,3 +449,36 @@ def test_where_pagemap_cannot_tell_each_get_maps_its_segment_anew(segments, monk
     del got
     _same(cells.decode(encoded, segments), x)
     assert segments.mapped() == 0
+
+
+@pytest.mark.skipif(not _kept_mappings_work(), reason="this machine's pagemap cannot tell a reader's own pages")
+def test_a_get_s_tensors_collected_inside_the_reader_s_lock_let_go_and_a_replaced_kept_mapping_closes_its_file(
+        segments):
+    import gc
+    import threading
+
+    encoded = _put(segments, "p", x=torch.randn(64, 1024))["x"]
+    got = cells.decode(encoded, segments)
+    kept = next(iter(segments._mapped.values()))
+    cycle = [got]
+    cycle.append(cycle)  # freed only by the garbage collector, which may run anywhere
+    del got, cycle
+    done = threading.Event()
+
+    def collect_under_the_lock():
+        with segments._lock:
+            gc.collect()
+        done.set()
+
+    t = threading.Thread(target=collect_under_the_lock, daemon=True)
+    t.start()
+    assert done.wait(10), "the lease's release waited on the reader's own lock"
+    assert kept.leases == 0
+    # another thread's get of the same segment took its place: the one replaced closes its file when unused
+    again = cells.decode(encoded, segments)
+    replaced = segments._mapped.pop(kept.name)
+    fd = replaced.fd
+    del again, replaced, kept
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
