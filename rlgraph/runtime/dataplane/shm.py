@@ -294,8 +294,7 @@ class Segments:
                 f"dataplane.shared_memory=false)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            pages = _pagemap()
-            kept = self._keep(name, path, fd) if pages is not None else None
+            kept = self._keep(name, path, fd) if _pagemap() is not None else None
             if kept is None:
                 # the lock belongs to the open file, which the mapping keeps (mmap holds a duplicate of
                 # fd): it goes when the mapping does
@@ -307,8 +306,7 @@ class Segments:
                 # last tensor over this lease is gone
                 weakref.finalize(leased, _release, fd, kept)
             except BaseException:
-                with self._lock:
-                    kept.leases = 0
+                kept.leases = 0  # as `_release` frees it
                 raise
             fd = -1
             return leased
