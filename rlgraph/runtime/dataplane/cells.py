@@ -28,16 +28,13 @@ a list of per-row tensors otherwise, a list for objects.
 
 from __future__ import annotations
 
-import bisect
 import collections
-import concurrent.futures
 import contextlib
-import itertools
+import ctypes
 import json
-import os
 import struct
 import threading
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -112,28 +109,30 @@ def encode(col: _Column) -> list[bytes]:
 
 
 def write(col: _Column, buffer: Any, offset: int) -> None:
-    """Copy a tensor column's rows, one after another, into writable `buffer` at `offset`.
+    """Copy a tensor column's rows, one after another, into writable `buffer` at `offset`, on the
+    calling thread alone: a put sends the cells first and copies while the storage unit stores them
+    on the other core (`rlgraph.runtime.dataplane.wire.Wire.put`).
 
-    A dense column is one ``copy_``, and so is a ragged one kept as `Rows` (its flat tensor); the
-    rows of any other ragged one are joined by one ``torch.cat`` into the buffer (a numpy copy per row cost ~7 us a row: 7.4 ms for 1,024 rows against 1.5 ms). Each
-    runs on one torch thread: torch's OpenMP threads spin for a while after a parallel copy, taking
-    the CPU from the storage unit that the put's request goes to next (on 2 cores a put's round
-    trip took 2-4 ms longer). A column of at least `SPLIT_BYTES` is copied in two halves on two
-    Python threads when this process has two torch threads or more (the CPUs its group holds):
-    they sleep, not spin, once done."""
+    A dense column in CPU memory (and a ragged one kept as `Rows`, by its flat tensor) is one C
+    ``memmove``; one on a GPU is one ``copy_``. The rows of any other ragged column are joined by one
+    ``torch.cat`` into the buffer (a numpy copy per row cost ~7 us a row: 7.4 ms for 1,024 rows
+    against 1.5 ms), on one torch thread: its OpenMP threads spin for a while after a parallel
+    copy, taking the CPU from the storage unit (on 2 cores a put's round trip took 2-4 ms longer).
+    Copying on two threads (torch's, or two halves on two Python threads) was no faster on 2 cores:
+    16 MB copied in 1.0 ms instead of 1.2-1.4, but the storage unit then found no core free and
+    answered 0.4 ms after the copy instead of 0.1."""
     rows = col.value
     if col.kind == "dense" or type(rows) is Rows and rows.flat is not None:  # a Rows: its flat tensor, as dense
         t: torch.Tensor = (rows if col.kind == "dense" else rows.flat).detach()
-        if not t.numel():
+        count = _nbytes(t)
+        if not count:
             return
-        src = t.reshape(-1)
-        dest = torch.frombuffer(buffer, dtype=torch.uint8, count=_nbytes(t), offset=offset).view(t.dtype)
-        with torch.no_grad(), _one_thread() as threads:
-            if threads > 1 and _nbytes(t) >= SPLIT_BYTES:
-                half = src.numel() // 2
-                _both(lambda: dest[:half].copy_(src[:half]), lambda: dest[half:].copy_(src[half:]))
-            else:
-                dest.copy_(src)
+        dest = (ctypes.c_char * count).from_buffer(buffer, offset)  # checks the bounds; an export while it lives
+        if t.device.type == "cpu" and t.is_contiguous():
+            ctypes.memmove(dest, t.data_ptr(), count)
+            return
+        with torch.no_grad(), _one_thread():
+            torch.frombuffer(dest, dtype=torch.uint8).view(t.dtype).copy_(t.reshape(-1))
         return
     values: list[torch.Tensor] = col.value
     count = sum(v.numel() for v in values)
@@ -143,52 +142,15 @@ def write(col: _Column, buffer: Any, offset: int) -> None:
     if any(v.device.type != "cpu" for v in values):
         parts = [p.cpu() for p in parts]
     dest = torch.frombuffer(buffer, dtype=torch.uint8, count=count * values[0].element_size(), offset=offset)
-    dest = dest.view(values[0].dtype)
-    with torch.no_grad(), _one_thread() as threads:
-        if threads > 1 and count * values[0].element_size() >= SPLIT_BYTES and len(parts) > 1:
-            ends = list(itertools.accumulate(p.numel() for p in parts))
-            cut = min(max(bisect.bisect_left(ends, count // 2) + 1, 1), len(parts) - 1)  # rows of the first half
-            at = ends[cut - 1]
-            _both(lambda: torch.cat(parts[:cut], out=dest[:at]), lambda: torch.cat(parts[cut:], out=dest[at:]))
-        else:
-            torch.cat(parts, out=dest)
-
-
-SPLIT_BYTES = 4 << 20  # a column this large is copied on two threads where the process has two
-_helper: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-_helper_lock = threading.Lock()
-
-
-def _forget_helper() -> None:  # a forked child has the executor but not its thread
-    global _helper
-    _helper = None
-
-
-os.register_at_fork(after_in_child=_forget_helper)
-
-
-def _both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
-    """Run `second` on a helper thread while this one runs `first` (torch's copies let go of the
-    GIL); return once both are done, raising what either raised."""
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlgraph-copy")
-        helper = _helper
-    other = helper.submit(second)
-    try:
-        first()
-    finally:
-        other.result()
+    with torch.no_grad(), _one_thread():
+        torch.cat(parts, out=dest.view(values[0].dtype))
 
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[int]:
-    """One torch thread inside; gives the number the process had. torch's thread count is the
-    process's: another thread's first parallel op inside this window would start with one thread.
-    The runtime puts from the call thread, the one that computes, so nothing else computes then."""
+    """One torch thread inside; gives the number the calling thread had. torch keeps the number a
+    thread was given for its later threads' first parallel op too, so another thread starting its
+    first parallel op inside this window would start with one thread."""
     n = torch.get_num_threads()
     if n == 1:
         yield n

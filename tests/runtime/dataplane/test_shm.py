@@ -16,7 +16,7 @@ import torch
 
 from rlgraph.rows import Rows
 from rlgraph.runtime.dataplane import cells, shm
-from rlgraph.runtime.dataplane.base import DataPlaneError, _normalize, assemble_rows
+from rlgraph.runtime.dataplane.base import DataPlaneError, _Column, _normalize, assemble_rows
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this machine")
 
@@ -318,19 +318,28 @@ def test_ragged_rows_of_several_dimensions_and_rows_that_need_grad_are_written_e
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_columns_written_on_two_threads_come_back_exactly(segments, monkeypatch, threads):
-    monkeypatch.setattr(cells, "SPLIT_BYTES", 64 * 1024)
+def test_every_kind_of_large_column_is_copied_exactly_and_the_caller_keeps_its_torch_threads(segments, threads):
+    """Each copy: a dense column (one C memmove), a `Rows` kept flat, ragged rows (one torch.cat,
+    on one torch thread, given back) and a strided dense tensor (copy_)."""
+    write = cells.write
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         dense = torch.randn(333, 257)
         ragged = [torch.randn(n) for n in (1, 20000, 3, 7000, 9000, 0, 15)]
         two = [torch.randn(30000), torch.randn(5)]  # the first row is most of it
-        for x in (dense, ragged, two):
-            _same(cells.decode(_put(segments, "p", x=x)["x"], segments), x)
-        assert torch.get_num_threads() == threads  # the copy's one thread is given back
+        flat = Rows(torch.arange(3940, dtype=torch.float64), [900, 40, 3000])
+        for x in (dense, ragged, two, flat):
+            _same(cells.decode(_put(segments, "p", x=x)["x"], segments), list(x) if x is flat else x)
+        assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+    strided = torch.randn(64, 1024)[:, ::2]  # the copy_ path; a put's own dense columns are contiguous
+    buffer = bytearray(strided.numel() * 4 + 64)
+    write(_Column("dense", strided), buffer, 64)
+    assert torch.equal(torch.frombuffer(buffer, dtype=torch.float32, offset=64).view(64, 512), strided)
+    with pytest.raises(ValueError):  # a column larger than the room left is never written past it
+        write(_Column("dense", strided), buffer, 128)
 
 
 def test_a_placed_put_s_cells_come_before_its_bytes_and_a_failed_copy_frees_its_segment(segments, monkeypatch):
