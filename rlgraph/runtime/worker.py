@@ -243,7 +243,10 @@ def _row_sums(value: Any) -> list[float]:
     if filled.any():
         starts = np.cumsum(counts) - counts
         # each filled row's sum runs from its start to the next filled row's: the empty rows between add nothing
-        sums[filled] = np.add.reduceat(joined(rows).detach().cpu().double().numpy(), starts[filled])
+        flat = joined(rows).detach().cpu()
+        if flat.dtype in (torch.bfloat16, torch.bool):  # kinds numpy has not, or sums as logical or
+            flat = flat.double()
+        sums[filled] = np.add.reduceat(flat.numpy(), starts[filled], dtype=np.float64)
     return sums.tolist()
 
 

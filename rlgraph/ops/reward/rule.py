@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -81,13 +81,17 @@ class RewardWorker:
         lengths = responses.lengths
         rows = len(lengths)
         ends = list(accumulate(lengths))  # each row's end in the joined tokens
-        padding = ctx.is_padding
-        real = [i for i in range(rows) if not padding[i]]
         tok = self._tokenizer(tokenizer)
         ids = responses.flat.tolist()  # one conversion for the call, then each row's slice of it
-        texts = decode_rows(tok, [ids[ends[i] - lengths[i]:ends[i]] for i in real])
-        res = scorer.scores([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
-                            [extra_info[i] for i in real])
+        if any(ctx.is_padding):
+            real = [i for i, pad in enumerate(ctx.is_padding) if not pad]
+            texts = decode_rows(tok, [ids[ends[i] - lengths[i]:ends[i]] for i in real])
+            res = scorer.scores([data_source[i] for i in real], texts, [ground_truth[i] for i in real],
+                                [extra_info[i] for i in real])
+        else:  # every row real (the common case): the columns as they are
+            real = range(rows)
+            texts = decode_rows(tok, [ids[end - n:end] for n, end in zip(lengths, ends)])
+            res = scorer.scores(data_source, texts, ground_truth, extra_info)
         failed = [(real[k], o) for k, o in sorted(res.failed.items())]
         if failed and on_error == "fail":
             shown = "; ".join(f"row {i} (data_source={data_source[i]!r}): {o.error}" for i, o in failed[:3])
@@ -112,8 +116,9 @@ class RewardWorker:
         # the rest of its row; an empty row has no token to hold one
         flat = np.zeros(ends[-1] if ends else 0, dtype=np.float32)
         if real:
-            at = np.asarray(ends, dtype=np.int64)[real] - 1
-            held = np.asarray(lengths, dtype=np.int64)[real] > 0
+            picked = real if type(real) is list else slice(None)
+            at = np.asarray(ends, dtype=np.int64)[picked] - 1
+            held = np.asarray(lengths, dtype=np.int64)[picked] > 0
             flat[at[held]] = np.asarray(res.values, dtype=np.float32)[held]
         restarted = scorer.restarted
         scorer.restarted = 0
@@ -125,7 +130,7 @@ class RewardWorker:
             scorer.close()
 
 
-def _chunk_metrics(chunks: tuple[int, ...], real: list[int], failed: list[tuple[int, Any]],
+def _chunk_metrics(chunks: tuple[int, ...], real: Sequence[int], failed: list[tuple[int, Any]],
                    restarted: int) -> dict[str, Any] | list[dict[str, Any]]:
     """The call's metrics: one record, or one per chunk when the call holds several (the op is
     vectorised: the step's metrics then average what a call per chunk would have given). Rows are
