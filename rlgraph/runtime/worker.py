@@ -238,16 +238,22 @@ def _row_sums(value: Any) -> list[float]:
     if not rows:
         return []
     counts = np.asarray(sizes, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    if min(sizes) > 0:  # no empty row (the common case): one reduction from each row's start
+        return np.add.reduceat(_numpy_of(joined(rows)), starts, dtype=np.float64).tolist()
     sums = np.zeros(len(counts), dtype=np.float64)
     filled = counts > 0
     if filled.any():
-        starts = np.cumsum(counts) - counts
         # each filled row's sum runs from its start to the next filled row's: the empty rows between add nothing
-        flat = joined(rows).detach().cpu()
-        if flat.dtype in (torch.bfloat16, torch.bool):  # kinds numpy has not, or sums as logical or
-            flat = flat.double()
-        sums[filled] = np.add.reduceat(flat.numpy(), starts[filled], dtype=np.float64)
+        sums[filled] = np.add.reduceat(_numpy_of(joined(rows)), starts[filled], dtype=np.float64)
     return sums.tolist()
+
+
+def _numpy_of(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16, torch.bool):  # a dtype numpy has not, or sums as a logical or
+        t = t.double()
+    return t.numpy()
 
 
 class GroupWorker:

@@ -118,8 +118,12 @@ class RewardWorker:
         if real:
             picked = real if type(real) is list else slice(None)
             at = np.asarray(ends, dtype=np.int64)[picked] - 1
-            held = np.asarray(lengths, dtype=np.int64)[picked] > 0
-            flat[at[held]] = np.asarray(res.values, dtype=np.float32)[held]
+            values = np.asarray(res.values, dtype=np.float32)
+            if min(lengths) > 0:  # every row has a last token
+                flat[at] = values
+            else:
+                held = np.asarray(lengths, dtype=np.int64)[picked] > 0
+                flat[at[held]] = values[held]
         restarted = scorer.restarted
         scorer.restarted = 0
         return {score_col: Rows(torch.from_numpy(flat), lengths), extra_col: reward_extra,

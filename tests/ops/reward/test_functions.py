@@ -285,6 +285,16 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
                                ctx=ctx) for _ in range(2)][1]
     assert torch.equal(inline["token_level_scores"].padded(), expected)
     assert inline["reward_metrics"] == out["reward_metrics"]
+    # every row real and none empty (the common case): the same scores on the same tokens
+    keep = [0, 2, 4]
+    ctx.is_padding, ctx.chunks = (False,) * 3, (3,)
+    ctx.lengths = {"response_len": tuple(lengths[i] for i in keep)}
+    plain = w.compute_reward(rows_of([torch.tensor(rows[i]) for i in keep], torch.int64), None, ["add"] * 3,
+                             [truths[i] for i in keep], [None] * 3,
+                             fn=f"{Path(__file__).parents[2] / 'resources' / 'reward_fns.py'}:raise_on_odd",
+                             executor="thread", concurrency=2, timeout_s=0.0, on_error="zero", tokenizer="", ctx=ctx)
+    assert torch.equal(plain["token_level_scores"].padded(), expected[keep])
+    assert plain["reward_metrics"]["scored_count"] == 3 and plain["reward_metrics"]["error_count"] == 1
 
 
 def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_would():
