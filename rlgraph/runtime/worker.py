@@ -249,9 +249,13 @@ def _row_sums(value: Any) -> list[float]:
     return sums.tolist()
 
 
+_NUMPY_SUMMED = (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.uint8)  # summed by numpy as they are; any other (bool, bfloat16, float8, complex) as float64
+
+
 def _numpy_of(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
-    if t.dtype in (torch.bfloat16, torch.bool):  # a dtype numpy has not, or sums as a logical or
+    if t.dtype not in _NUMPY_SUMMED or t.is_conj() or t.is_neg():
         t = t.double()
     return t.numpy()
 

@@ -300,6 +300,7 @@ def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
         Rows(torch.rand(6, generator=g), [2, 0, 4]),  # 1-D rows of one flat tensor
         Rows(torch.rand(6, generator=g), [2, 1, 3]),  # ... none empty
         Rows(torch.tensor([True, False, True, True]), [3, 1]),  # booleans count as ones
+        Rows(torch.rand(5, generator=g).to(torch.float8_e4m3fn), [2, 3]),  # a dtype numpy has not
         Rows(torch.rand(5, generator=g), [0, 0, 2, 3, 0, 0]),  # empty rows first and last
         Rows(torch.rand(0, generator=g), [0, 0]),  # no elements at all
         [torch.rand(n, generator=g, dtype=torch.float64).to(torch.bfloat16) for n in (2, 0, 3)],  # not numpy's dtype

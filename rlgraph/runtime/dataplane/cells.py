@@ -128,7 +128,9 @@ def write(col: _Column, buffer: Any, offset: int) -> None:
         if not count:
             return
         dest = (ctypes.c_char * count).from_buffer(buffer, offset)  # checks the bounds; an export while it lives
-        if t.device.type == "cpu" and t.is_contiguous():
+        # the bytes as they lie: not a lazily conjugated or negated view (copy_ resolves those)
+        if type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg():
             ctypes.memmove(dest, t.data_ptr(), count)
             return
         with torch.no_grad(), _one_thread():

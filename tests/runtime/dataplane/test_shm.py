@@ -338,6 +338,10 @@ def test_every_kind_of_large_column_is_copied_exactly_and_the_caller_keeps_its_t
     buffer = bytearray(strided.numel() * 4 + 64)
     write(_Column("dense", strided), buffer, 64)
     assert torch.equal(torch.frombuffer(buffer, dtype=torch.float32, offset=64).view(64, 512), strided)
+    lazy = torch.randn(8, 64, dtype=torch.complex64).conj()  # contiguous, conjugated only by a flag
+    buffer = bytearray(lazy.numel() * 8)
+    write(_Column("dense", lazy), buffer, 0)
+    assert torch.equal(torch.frombuffer(buffer, dtype=torch.complex64).view(8, 64), lazy.resolve_conj())
     with pytest.raises(ValueError):  # a column larger than the room left is never written past it
         write(_Column("dense", strided), buffer, 128)
 
