@@ -149,17 +149,17 @@ def write(col: _Column, buffer: Any, offset: int) -> None:
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[int]:
-    """One torch thread inside; gives the number the calling thread had. torch keeps the number a
+def _one_thread() -> Iterator[None]:
+    """One torch thread inside, the calling thread's number given back after. torch keeps the number a
     thread was given for its later threads' first parallel op too, so another thread starting its
     first parallel op inside this window would start with one thread."""
     n = torch.get_num_threads()
     if n == 1:
-        yield n
+        yield
         return
     torch.set_num_threads(1)
     try:
-        yield n
+        yield
     finally:
         torch.set_num_threads(n)
 
