@@ -283,12 +283,22 @@ class _HomedStorageManager(AsyncSimpleStorageManager):
         return {key: RoutingGroup(gis[key], pos[key]) for key in gis}
 
 
-@dataclass
 class _Rows:
-    """Rows' addresses for a put or a get: what `_HomedStorageManager` reads of a ``BatchMeta``."""
+    """Rows' addresses for a put or a get: what `_HomedStorageManager` reads of a ``BatchMeta``. The
+    custom metadata (each row's tag) is made only when read: with one storage unit nothing reads it."""
 
-    global_indexes: list[int]
-    custom_meta: list[dict[str, Any]]
+    __slots__ = ("global_indexes", "_custom", "_rows", "_homes")
+
+    def __init__(self, global_indexes: list[int], custom_meta: list[dict[str, Any]] | None = None,
+                 rows: Sequence[int] = (), homes: Sequence[int | None] = ()) -> None:
+        self.global_indexes = global_indexes
+        self._custom, self._rows, self._homes = custom_meta, rows, homes
+
+    @property
+    def custom_meta(self) -> list[dict[str, Any]]:
+        if self._custom is None:
+            self._custom = [_tag(int(r), h) for r, h in zip(self._rows, self._homes, strict=True)]
+        return self._custom
 
     @property
     def size(self) -> int:
@@ -388,6 +398,8 @@ class _TQClient(DataPlaneClient):
         # partition -> rows -> their addresses as `_meta` last built them: an op's chunk is put and got
         # with the same rows several times (1,024 rows: 0.13 ms to build, 0.01 ms to find); read-only
         self._asked: dict[str, dict[tuple[int, ...], _Rows]] = {}
+        # partition -> rows -> (global indexes, homes) the driver sent with a call (`learn`), not yet in `_rows`
+        self._learned: dict[str, dict[tuple[int, ...], tuple[Sequence[int], Sequence[int | None]]]] = {}
         self._loop: _Loop | None = _Loop(f"{client_id}_loop")
         # large tensor columns through shared memory, on a one-machine plane (`shm`)
         self._segments: shm.Segments | None = shm.Segments(shm_prefix) if shm_prefix else None
@@ -410,6 +422,15 @@ class _TQClient(DataPlaneClient):
             meta = asked.get(rows)
             if meta is not None:
                 return meta
+        learned = self._learned.get(partition)
+        if learned is not None:
+            given = learned.get(rows)
+            if given is not None:  # the rows the driver sent with this call: as it gave them, no lookup per row
+                return self._asked_for(partition, rows, _Rows(list(given[0]), rows=rows, homes=given[1]))
+            self._learn_rows(partition)
+        own = self._own_addresses(partition, rows)
+        if own is not None:  # a partition this plane created: its table
+            return self._asked_for(partition, rows, _Rows(own[0], rows=rows, homes=own[1]))
         known = self._rows.setdefault(partition, {})
         pick = operator.itemgetter(*rows) if len(rows) > 1 else (lambda d: (d[rows[0]],))
         try:
@@ -437,7 +458,13 @@ class _TQClient(DataPlaneClient):
             known.update(zip(new, zip(found.global_indexes, custom)))
             pairs = pick(known)
         indexes, custom = zip(*pairs)
-        meta = _Rows(list(indexes), list(custom))
+        return self._asked_for(partition, rows, _Rows(list(indexes), list(custom)))
+
+    def _own_addresses(self, partition: str, rows: tuple[int, ...]) -> tuple[list[int], list[int | None]] | None:
+        """The addresses of `rows` where this client made the partition (the driver's plane), else None."""
+        return None
+
+    def _asked_for(self, partition: str, rows: tuple[int, ...], meta: _Rows) -> _Rows:
         asked = self._asked.setdefault(partition, {})
         if len(asked) >= _ASKED_KEPT:
             del asked[next(iter(asked))]  # the oldest
@@ -447,18 +474,33 @@ class _TQClient(DataPlaneClient):
     def forget(self, partition: str) -> None:
         self._rows.pop(partition, None)
         self._asked.pop(partition, None)
+        self._learned.pop(partition, None)
         if self._segments is not None:
             self._segments.forget(partition)
 
     def learn(self, partition: str, rows: Sequence[int], addresses: Any) -> None:
-        """`addresses`: (global index, home unit or None) of each of `rows`, from the driver's
-        `TransferQueueDataPlane.addresses`; it replaces what this client knew of those rows."""
+        """`addresses`: (global indexes, home units or None) of `rows`, from the driver's
+        `TransferQueueDataPlane.addresses`; it replaces what this client knew of those rows. Kept as
+        given, for the call's puts and gets of exactly these rows (1,024 rows: 0.43 ms to enter one by
+        one into the row table); entered into the table only when another set of rows is looked up."""
         if addresses is None:
             return
-        known = self._rows.setdefault(partition, {})
+        indexes, homes = addresses
+        rows = tuple(rows)
+        if len(indexes) != len(rows) or len(homes) != len(rows):
+            raise DataPlaneError(f"partition {partition!r}: addresses of {len(indexes)} rows ({len(homes)} homes) "
+                                 f"for {len(rows)} rows")
         self._asked.pop(partition, None)
-        for r, (index, home) in zip(rows, zip(*addresses), strict=True):
-            known[int(r)] = (int(index), _tag(int(r), home))
+        learned = self._learned.setdefault(partition, {})
+        learned.pop(rows, None)  # the newest last: entered into the table after the others
+        learned[rows] = (indexes, homes)
+
+    def _learn_rows(self, partition: str) -> None:
+        """Enter the addresses learned for `partition` into its row table, oldest first."""
+        known = self._rows.setdefault(partition, {})
+        for rows, (indexes, homes) in self._learned.pop(partition, {}).items():
+            for r, index, home in zip(rows, indexes, homes):
+                known[int(r)] = (int(index), _tag(int(r), home))
 
     def _put(self, partition: str, rows: tuple[int, ...], columns: dict[str, _Column]) -> None:
         meta = self._meta(partition, rows)
@@ -549,6 +591,8 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                 pass
         self._watch = lambda: dead_actors(self._actors)
         self._created: set[str] = set()  # partitions this plane created and has not cleared
+        # partition -> (global index, home or None) of each row, by row: the workers' addresses (`addresses`)
+        self._tables: dict[str, tuple[list[int], list[int | None]]] = {}
         units = [controller] if config.unit_hosted else [
             self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
         self._unit_nodes = _actor_nodes(units) if all(units) else ()
@@ -604,19 +648,28 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         # the driver knows its rows: it asks nothing before its own puts and gets, and hands them to
         # the workers with each call (`addresses`), so theirs ask nothing either
         self._rows[partition] = dict(zip(range(num_rows), zip(meta.global_indexes, tags)))
+        self._tables[partition] = (list(meta.global_indexes), [None] * num_rows if homes is None else list(homes))
         self._asked.pop(partition, None)
 
     def addresses(self, partition: str, rows: Sequence[int]) -> tuple[list[int], list[int | None]] | None:
         """(global indexes, home units or None) of `rows`, for the workers' `learn`; None when this
         plane does not know them all (a partition it did not create, or one cleared)."""
-        known = self._rows.get(partition)
-        if known is None:
+        table = self._tables.get(partition)
+        if table is None:
             return None
-        try:
-            entries = [known[int(r)] for r in rows]
-        except KeyError:
+        indexes, homes = table
+        if not rows:
+            return [], []
+        if len(rows) == 1:
+            r = int(rows[0])
+            return ([indexes[r]], [homes[r]]) if 0 <= r < len(indexes) else None
+        if min(rows) < 0 or max(rows) >= len(indexes):
             return None
-        return [e[0] for e in entries], [e[1].get("unit") for e in entries]
+        pick = operator.itemgetter(*rows)  # one C call a list, not a lookup per row (1,024 rows: 0.23 ms)
+        return list(pick(indexes)), list(pick(homes))
+
+    def _own_addresses(self, partition: str, rows: tuple[int, ...]) -> tuple[list[int], list[int | None]] | None:
+        return self.addresses(partition, rows)
 
     def _check_homes(self, partition: str, num_rows: int, homes: Sequence[int] | None) -> list[int] | None:
         if homes is None:
@@ -635,6 +688,7 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
 
     def clear(self, partition: str) -> None:
         known = self._rows.get(partition)
+        self._tables.pop(partition, None)
         self.forget(partition)
         if known is None:  # a partition this plane did not create: TQ finds its rows
             self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")

@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 import ray
+import numpy as np
 import torch
 
 from rlgraph.errors import RLGraphError
@@ -189,6 +190,24 @@ def test_misuse_raises_typed_errors(plane):
     plane.clear(p)
 
 
+def test_rows_are_integers_each_once_none_negative_and_a_tuple_passed_is_not_checked_again():
+    from rlgraph.runtime.dataplane.base import _check_rows
+
+    rows = (3, 1, 2)
+    assert _check_rows("p", rows) is rows and _check_rows("p", rows) is rows
+    converted = _check_rows("p", [np.int64(2), torch.tensor(5), True])
+    assert converted == (2, 5, 1) and all(type(r) is int for r in converted)
+    assert _check_rows("p", range(3)) == (0, 1, 2)
+    with pytest.raises(DataPlaneError, match="rows must be integers, got \\[1.5\\]"):
+        _check_rows("p", [0, 1.5])
+    twice = (0, 0)
+    for _ in range(2):  # a tuple that failed is never taken for one checked
+        with pytest.raises(DataPlaneError, match="duplicates"):
+            _check_rows("p", twice)
+    with pytest.raises(DataPlaneError, match="must be >= 0, got -1"):
+        _check_rows("p", (1, -1))
+
+
 @ray.remote(num_cpus=0)
 class _Worker:
     """A stand-in for a worker-group actor: connects with the handle, puts or gets."""
@@ -313,6 +332,12 @@ def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_pl
         tq_plane.create_partition(p, 4, homes=[1, 1, 0, 1])
         where = tq_plane.addresses(p, [3, 0, 2])
         assert where is not None and where[1] == [1, 1, 0]
+        every = tq_plane.addresses(p, range(4))
+        assert [every[0][r] for r in (3, 0, 2)] == where[0] and every[1] == [1, 1, 0, 1]
+        assert tq_plane.addresses(p, [1]) == ([every[0][1]], [1])
+        assert tq_plane.addresses(p, [4]) is None and tq_plane.addresses(p, [0, -1]) is None  # not its rows
+        with pytest.raises(DataPlaneError, match="addresses of 3 rows"):
+            client.learn(p, [3, 0], where)
         client.learn(p, [3, 0, 2], where)
         lookups = []
         real = client._client.async_kv_retrieve_meta
