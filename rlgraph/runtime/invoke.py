@@ -96,6 +96,17 @@ class OpContext:
     # (then a metric output may be a list with one record per chunk)
     chunks: tuple[int, ...] = ()
 
+    def __getattr__(self, name: str) -> Any:
+        """``seed`` of a context the runtime made (`Invoker._context`): hashed when first read, not for
+        every call (most ops never read it; 20 us of a small op's call with the caches cold)."""
+        if name == "seed":
+            parts = self.__dict__.get("_seed_parts")
+            if parts is not None:
+                seed = stable_seed(*parts)
+                object.__setattr__(self, "seed", seed)
+                return seed
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def event(self, start: float, end: float, lane: int, label: str) -> None:
         """Record something that happened inside this call (times from `time.time()`): the timeline
         draws it on lane `lane` of the call's box (e.g. an agent trajectory's turns and tool calls)."""
@@ -300,6 +311,7 @@ class Invoker:
         self.last_dropped: dict[int, tuple[str, bool]] = {}  # rows the last call dropped (ctx.drop)
         self.last_events: list[tuple[float, float, int, str]] = []  # the last call's timed events (ctx.event)
         self.last_rest: dict[str, Any] = {}  # a streaming call's outputs other than its per-sample ones
+        self._fixed: dict[str, dict[str, Any]] = {}  # per op, the `OpContext` fields the same in each call
         for op in plan.ops:
             if op.group == group:
                 self.bound[op.name] = self._bind(op)
@@ -376,16 +388,31 @@ class Invoker:
         self.last_dropped, self.last_events = {}, []
         ctx = None
         if bound.takes_ctx:
-            ctx = kwargs[_CTX] = OpContext(
-                op=op.name, group=self.group, rank=self.rank, dp=self.dp, step=step, chunk=chunk,
-                seed=stable_seed(self.seed, step, op.name, chunk, *((salt,) if salt else ())),
-                rows=tuple(rows), is_padding=tuple(is_padding),
-                config=self.plan.config, master_addr=self.master_addr, master_port=self.master_port,
-                lengths={k: tuple(v) for k, v in lengths.items()}, outputs=tuple(op.outputs),
+            ctx = kwargs[_CTX] = self._context(
+                op, step=step, chunk=chunk, _seed_parts=(self.seed, step, op.name, chunk, *((salt,) if salt else ())),
+                rows=tuple(rows), is_padding=tuple(is_padding), lengths={k: tuple(v) for k, v in lengths.items()},
+                chunks=chunks or (len(rows),), dropped={}, events=[])
+        return bound.fn(**kwargs), lengths, ctx, given
+
+    def _context(self, op: OpPlan, **call: Any) -> OpContext:
+        """`op`'s `OpContext` for one call: the fields that are the same in each of its calls made once (the
+        plan does not change under a worker), the call's own set on a new instance. Every field is given (the
+        seed as the parts it is hashed from, when first read: `OpContext.__getattr__`), so this is what
+        ``OpContext(...)`` would make, without the frozen dataclass's ``__init__`` (24 fields one by one: 42 us
+        of a small op's call with the caches cold, as they are after a model's pass)."""
+        fixed = self._fixed.get(op.name)
+        if fixed is None:
+            fixed = self._fixed[op.name] = dict(
+                op=op.name, group=self.group, rank=self.rank, dp=self.dp, config=self.plan.config,
+                master_addr=self.master_addr, master_port=self.master_port, outputs=tuple(op.outputs),
                 group_size=self.plan.batch.n, batching=op.batching, can_drop=op.drops,
                 wanted=tuple(c for c in op.outputs if self.plan.columns[c].stored), state=self.state,
-                exported=self._exported(op), chunks=chunks or (len(rows),))
-        return bound.fn(**kwargs), lengths, ctx, given
+                group_impls=(), exported=self._exported(op))
+        ctx = object.__new__(OpContext)
+        fields = ctx.__dict__
+        fields.update(fixed)
+        fields.update(call)
+        return ctx
 
     @staticmethod
     def _check_given_rows(op: OpPlan, given: list[tuple[str, torch.Tensor, int]]) -> None:

@@ -16,9 +16,11 @@ import os
 import threading
 import time
 import traceback
+from array import array
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -203,10 +205,30 @@ def _concat_outputs(plan: Plan, outs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _chunk_metrics(plan: Plan, op: Any, outs: list[dict[str, Any]], n_chunks: int) -> list[dict[str, Any]]:
-    """A call's metric records, one per chunk as the step's metrics average them: a vectorised op's
-    metric output is either one record for the call or a list with one per chunk."""
-    records = [{c: v for c, v in o.items() if plan.columns[c].kind == "metric"} for o in outs]
+@dataclass(frozen=True)
+class _OpColumns:
+    """What a worker does with one op's columns, worked out once from the plan (not at each call): the
+    per-sample inputs it reads, the outputs it stores (puts), its metric outputs and those the step summarises."""
+
+    sample_inputs: tuple[str, ...]
+    stored: frozenset[str]
+    metrics: frozenset[str]
+    summed: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: Plan, op: Any) -> "_OpColumns":
+        col = plan.columns
+        return cls(sample_inputs=tuple(c for c in op.inputs if col[c].level == "sample"),
+                   stored=frozenset(c for c in op.outputs
+                                    if col[c].level == "sample" and col[c].kind == "data" and col[c].stored),
+                   metrics=frozenset(c for c in op.outputs if col[c].kind == "metric"),
+                   summed=tuple(c for c in plan.summaries if c in op.outputs))
+
+
+def _chunk_metrics(metrics: frozenset[str], op: Any, outs: list[dict[str, Any]], n_chunks: int) -> list[dict[str, Any]]:
+    """A call's metric records (`metrics`: the op's metric outputs), one per chunk as the step's metrics
+    average them: a vectorised op's metric output is either one record for the call or a list with one per chunk."""
+    records = [{c: v for c, v in o.items() if c in metrics} for o in outs]
     if not op.vectorised:
         return records
     per_chunk: list[dict[str, Any]] = [{} for _ in range(n_chunks)]
@@ -237,10 +259,11 @@ def _row_sums(value: Any) -> list[float]:
         sizes = [r.numel() for r in rows]
     if not rows:
         return []
-    counts = np.asarray(sizes, dtype=np.int64)
-    starts = np.cumsum(counts) - counts
+    # each row's start, through an int64 array (numpy's conversion of a list of ints costs 3x as much)
+    starts = np.frombuffer(array("q", accumulate(sizes, initial=0)), dtype=np.int64)[:-1]
     if min(sizes) > 0:  # no empty row (the common case): one reduction from each row's start
         return np.add.reduceat(_numpy_of(joined(rows)), starts, dtype=np.float64).tolist()
+    counts = np.frombuffer(array("q", sizes), dtype=np.int64)
     sums = np.zeros(len(counts), dtype=np.float64)
     filled = counts > 0
     if filled.any():
@@ -260,6 +283,31 @@ def _numpy_of(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+class _Failures:
+    """`GroupWorker._failures`: a class, not a generator's context manager, as it wraps each op call three
+    or four times (a generator's costs several us a use with the caches cold, as after a model's pass)."""
+
+    __slots__ = ("worker", "op_name", "step", "chunk", "rows", "uids")
+
+    def __init__(self, worker: "GroupWorker", op_name: str, step: int, chunk: int, rows: tuple[int, ...],
+                 uids: Sequence[int]) -> None:
+        self.worker, self.op_name, self.step, self.chunk, self.rows, self.uids = worker, op_name, step, chunk, rows, uids
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> None:
+        if e is None or not isinstance(e, Exception):
+            return
+        keys = list(self.uids[:8]) + (["..."] if len(self.uids) > 8 else [])
+        detail = "".join(traceback.format_exception(type(e), e, tb)[-6:])
+        error = type(e) if isinstance(e, InvariantError) else OpError  # a bug: the runner must not retry it
+        raise error(
+            f"op {self.op_name!r} failed on worker {self.worker.group}[{self.worker.rank}] at step {self.step} (chunk "
+            f"{self.chunk}, {len(self.rows)} rows, sample uids {keys}): {type(e).__name__}: {e}\n{detail}"
+        ) from None
+
+
 class GroupWorker:
     """Body of the Ray actor (wrapped with ``ray.remote`` by the runner, so it is testable as is)."""
 
@@ -272,6 +320,7 @@ class GroupWorker:
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
         self.local = LocalColumns()
         self.kept, self.private = local_columns(self.plan, group)
+        self._op_columns: dict[str, _OpColumns] = {}  # by op, made at its first call (`_columns`)
         # during a call with fused ops: the columns its ops read from the plane, for its rows (one get),
         # kept for its followers where one reads them (`_wanted`)
         self._call_inputs: dict[str, Any] | None = None
@@ -380,7 +429,7 @@ class GroupWorker:
         calls = ([(chunks[0][0], len(rows), tuple(n for _, n in chunks))] if op.vectorised
                  else [(index, n, ()) for index, n in chunks])
         at = 0
-        with self._threads(op):
+        with self._threads(op) if self._lends_threads(op) else nullcontext():
             for index, n, sizes in calls:
                 sub = rows[at:at + n]
                 with self._failures(op_name, step, index, sub, uids[at:at + n]):
@@ -392,16 +441,16 @@ class GroupWorker:
                 at += n
         out = outs[0] if len(outs) == 1 else _concat_outputs(self.plan, outs)
         with self._failures(op_name, step, chunks[0][0], rows, uids):  # before the put: a bad list writes nothing
-            metrics = _chunk_metrics(self.plan, op, outs, len(chunks))
+            metrics = _chunk_metrics(self._columns(op_name).metrics, op, outs, len(chunks))
         put_at = time.time()
-        self._put(partition, rows, out)
+        self._put(op_name, partition, rows, out)
         end = time.time()
         return CallResult(
             span=Span(op=op_name, group=self.group, rank=self.rank, step=step, chunk=chunks[0][0], rows=len(rows),
                       start=start, end=end, events=tuple(events), io_s=io_s + end - put_at, fused_into=fused_into,
                       read_ahead=self._ahead_served, **_moved_since(moved)),
             metrics=metrics,
-            summaries=self._summaries(out, rows, range(len(rows)), is_padding, dropped),
+            summaries=self._summaries(op_name, out, rows, range(len(rows)), is_padding, dropped),
             batch_values={c: v for o in outs for c, v in o.items()
                           if self.plan.columns[c].level == "batch" and self.plan.columns[c].kind == "data"},
             dropped={rows[i]: why for i, why in dropped.items()},
@@ -471,10 +520,10 @@ class GroupWorker:
             positions, out = part
             part_rows = tuple(rows[p] for p in positions)
             put_at = time.time()
-            self._put(partition, part_rows, out)
+            self._put(op_name, partition, part_rows, out)
             handed.append((time.time(), len(part_rows)))
             io_s += handed[-1][0] - put_at
-            yield PartResult(part_rows, self._summaries(out, rows, positions, is_padding, {}))
+            yield PartResult(part_rows, self._summaries(op_name, out, rows, positions, is_padding, {}))
         dropped = dict(self.invoker.last_dropped)
         rest = self.invoker.last_rest
         result = CallResult(
@@ -492,29 +541,20 @@ class GroupWorker:
     @contextmanager
     def _threads(self, op: Any) -> Iterator[None]:
         """While `op`'s body runs: the torch threads the plan gives it, when more than the group's (it
-        runs alone on its node: `rlgraph.graph.place.lent_threads`), capped at this process's cores."""
-        if op.torch_threads <= self.torch_threads:
-            yield
-            return
+        runs alone on its node: `rlgraph.graph.place.lent_threads`), capped at this process's cores.
+        `_run` asks `_lends_threads` first and enters this only when it does."""
         torch_threads(op.torch_threads)
         try:
             yield
         finally:
             torch_threads(self.torch_threads)
 
-    @contextmanager
-    def _failures(self, op_name: str, step: int, chunk: int, rows: tuple[int, ...], uids: Sequence[int]):
+    def _lends_threads(self, op: Any) -> bool:
+        return op.torch_threads > self.torch_threads
+
+    def _failures(self, op_name: str, step: int, chunk: int, rows: tuple[int, ...], uids: Sequence[int]) -> "_Failures":
         """Turn anything an op body (or its inputs) raises into an `OpError` naming the call."""
-        try:
-            yield
-        except Exception as e:
-            keys = list(uids[:8]) + (["..."] if len(uids) > 8 else [])
-            detail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
-            kind = type(e) if isinstance(e, InvariantError) else OpError  # a bug: the runner must not retry it
-            raise kind(
-                f"op {op_name!r} failed on worker {self.group}[{self.rank}] at step {step} (chunk {chunk}, "
-                f"{len(rows)} rows, sample uids {keys}): {type(e).__name__}: {e}\n{detail}"
-            ) from None
+        return _Failures(self, op_name, step, chunk, rows, uids)
 
     def _learn(self, partition: str, rows: tuple[int, ...], addresses: Any) -> None:
         if addresses is not None and self.client is not None:
@@ -566,7 +606,7 @@ class GroupWorker:
         return out
 
     def _inputs(self, op: Any, partition: str, rows: tuple[int, ...], step: int, chunk: int) -> dict[str, Any]:
-        sample_inputs = [c for c in op.inputs if self.plan.columns[c].level == "sample"]
+        sample_inputs = self._columns(op.name).sample_inputs
         extra, self._prefetch = self._prefetch, []  # the leader of a fused call gets its followers' reads too
         if not (sample_inputs or extra) or not rows:
             return {}
@@ -583,10 +623,15 @@ class GroupWorker:
                 cache.update((c, _private_copy(v) if c in rest else v) for c, v in read.items() if c in self._wanted)
         return got
 
-    def _put(self, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
-        put = {c: v for c, v in out.items()
-               if self.plan.columns[c].level == "sample" and self.plan.columns[c].kind == "data"
-               and self.plan.columns[c].stored}
+    def _columns(self, op_name: str) -> _OpColumns:
+        cols = self._op_columns.get(op_name)
+        if cols is None:
+            cols = self._op_columns[op_name] = _OpColumns.of(self.plan, self.plan.op(op_name))
+        return cols
+
+    def _put(self, op_name: str, partition: str, rows: tuple[int, ...], out: dict[str, Any]) -> None:
+        stored = self._columns(op_name).stored
+        put = {c: v for c, v in out.items() if c in stored}
         if not put or not rows:
             return
         keep = {c: v for c, v in put.items() if c in self.kept}
@@ -612,15 +657,21 @@ class GroupWorker:
         if self.client is not None:
             self.client.forget(partition)
 
-    def _summaries(self, out: dict[str, Any], rows: tuple[int, ...], positions: Sequence[int],
+    def _summaries(self, op_name: str, out: dict[str, Any], rows: tuple[int, ...], positions: Sequence[int],
                    is_padding: Sequence[bool], dropped: dict[int, Any]) -> dict[str, dict[int, float]]:
-        """Per summarised column, each real row's sum (`out` holds the rows at `positions`)."""
+        """Per summarised column, each real row's sum (`out` holds `op_name`'s rows at `positions`)."""
+        summed = [c for c in self._columns(op_name).summed if c in out]
+        if not summed:
+            return {}
+        whole = positions == range(len(rows))  # the call's rows, in order
+        if not dropped and not any(is_padding if whole else (is_padding[p] for p in positions)):  # every row real
+            keys = rows if whole else [rows[p] for p in positions]
+            return {c: dict(zip(keys, _row_sums(out[c]), strict=True)) for c in summed}
         real = [k for k, p in enumerate(positions) if not is_padding[p] and p not in dropped]
         summaries = {}
-        for c in self.plan.summaries:
-            if c in out:
-                sums = _row_sums(out[c]) if real else []
-                summaries[c] = {rows[positions[k]]: sums[k] for k in real}
+        for c in summed:
+            sums = _row_sums(out[c]) if real else []
+            summaries[c] = {rows[positions[k]]: sums[k] for k in real}
         return summaries
 
     # ------------------------------------------------------------------ state

@@ -173,6 +173,39 @@ def test_ctx_carries_the_plans_batching_and_runtime_params_are_passed_only_when_
     Invoker(plan, "w", 0, 1).call(plan.op("ignores_micro"), 0, 0, [0], [False], {"tokens": [torch.ones(1)]})
 
 
+_SEEN: list = []
+
+
+@op(outputs={"o": T.float32()}, group="w")
+def keeps_ctx(tokens: T.float32(R), *, ctx=None):
+    _SEEN.append(ctx)
+    return {"o": torch.zeros(len(tokens))}
+
+
+def test_the_runtime_s_context_is_what_its_constructor_gives_with_the_seed_hashed_when_read():
+    import dataclasses
+
+    from rlgraph.runtime.invoke import OpContext
+    from rlgraph.seeds import stable_seed
+
+    plan = rlgraph.compile(_pipeline_with(keeps_ctx))
+    inv = Invoker(plan, "w", 0, 1)
+    _SEEN.clear()
+    for step in (3, 4):
+        inv.call(plan.op("keeps_ctx"), step, 1, [5, 6], [False, True], {"tokens": [torch.ones(2), torch.ones(1)]}, salt=2)
+    first, second = _SEEN
+    assert "seed" not in vars(first)  # not hashed until read
+    assert first.seed == stable_seed(inv.seed, 3, "keeps_ctx", 1, 2) and second.seed != first.seed
+    made = OpContext(**{f.name: getattr(first, f.name) for f in dataclasses.fields(OpContext)})
+    assert made == first and repr(made) == repr(first)  # every field set, as the constructor sets them
+    assert (first.rows, first.is_padding, first.lengths, first.chunks) == ((5, 6), (False, True), {"response_len": (2, 1)}, (2,))
+    assert first.dropped is not second.dropped and first.events is not second.events  # each call its own
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.step = 9
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        first.nope
+
+
 @op(outputs={"o": T.float32(), "m": T.json().metric()}, granularity="group", group="w", vectorised=True)
 def per_group_total(tokens: T.float32(R), *, ctx=None):
     """Vectorised: one record per chunk, each chunk's size."""
@@ -180,7 +213,7 @@ def per_group_total(tokens: T.float32(R), *, ctx=None):
 
 
 def test_a_vectorised_op_sees_its_chunks_and_gives_a_metrics_record_per_chunk():
-    from rlgraph.runtime.worker import _chunk_metrics
+    from rlgraph.runtime.worker import _chunk_metrics, _OpColumns
 
     plan = rlgraph.compile(_pipeline_with(per_group_total))
     o = plan.op("per_group_total")
@@ -189,9 +222,9 @@ def test_a_vectorised_op_sees_its_chunks_and_gives_a_metrics_record_per_chunk():
     rows = [torch.ones(2)] * 5
     out = inv.call(o, 0, 3, range(5), [False] * 5, {"tokens": rows}, chunks=(2, 3))
     assert out["m"] == [{"rows": 2}, {"rows": 3}]
-    assert _chunk_metrics(plan, o, [out], 2) == [{"m": {"rows": 2}}, {"m": {"rows": 3}}]
+    assert _chunk_metrics(_OpColumns.of(plan, o).metrics, o, [out], 2) == [{"m": {"rows": 2}}, {"m": {"rows": 3}}]
     with pytest.raises(OpError, match=r"list of 2 records for a call of 3 chunks"):
-        _chunk_metrics(plan, o, [out], 3)
+        _chunk_metrics(_OpColumns.of(plan, o).metrics, o, [out], 3)
     # a call of one chunk (any op that is not vectorised) sees that chunk alone
     assert inv.call(o, 0, 0, range(2), [False] * 2, {"tokens": rows[:2]})["m"] == [{"rows": 2}]
     with pytest.raises(rlgraph.DeclarationError, match="vectorised=True is for per-sample and per-group ops"):
@@ -303,6 +336,10 @@ def test_row_sums_are_each_row_s_sum_for_every_shape_of_row():
         Rows(torch.rand(5, generator=g).to(torch.float8_e4m3fn), [2, 3]),  # a dtype numpy has not
         Rows(torch.rand(5, generator=g), [0, 0, 2, 3, 0, 0]),  # empty rows first and last
         Rows(torch.rand(0, generator=g), [0, 0]),  # no elements at all
+        Rows(torch.rand(5000, generator=g), [2500, 0, 2500]),  # more than Python sums: numpy's reduction
+        Rows(torch.rand(5000, generator=g), [1000] * 5),  # ... none empty
+        Rows(torch.randint(-2**40, 2**40, (6,), generator=g), [2, 4]),  # int64: numpy's, in float64 as before
+        Rows(torch.rand(6, generator=g, dtype=torch.float64).to(torch.bfloat16), [4, 2]),  # not numpy's, as a Rows
         [torch.rand(n, generator=g, dtype=torch.float64).to(torch.bfloat16) for n in (2, 0, 3)],  # not numpy's dtype
         [torch.rand(n, generator=g, requires_grad=True) for n in (2, 3)],  # rows a body left in autograd
         [[1, 2, 3], [4]],  # lists of numbers

@@ -19,11 +19,11 @@ named source of a mixed reward (e.g. ``rule_scores``).
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from itertools import accumulate
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from rlgraph.ops.models import decode_rows, tokenizer_at
@@ -111,22 +111,18 @@ class RewardWorker:
         if on_error == "drop_group":
             for i, o in failed:
                 ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
-        # each score on its row's last token, in one indexed write through numpy (torch's indexed write
-        # and its tensors from lists took 53 us at 128 rows, this 10): a failed sample's score is 0, as
-        # the rest of its row; an empty row has no token to hold one
-        flat = np.zeros(ends[-1] if ends else 0, dtype=np.float32)
-        if real:
-            picked = real if type(real) is list else slice(None)
-            at = np.asarray(ends, dtype=np.int64)[picked] - 1
-            values = np.asarray(res.values, dtype=np.float32)
-            if min(lengths) > 0:  # every row has a last token
-                flat[at] = values
-            else:
-                held = np.asarray(lengths, dtype=np.int64)[picked] > 0
-                flat[at[held]] = values[held]
+        # each score on its row's last token: a failed sample's score is 0, as the rest of its row; an
+        # empty row has no token to hold one. Written by Python into a float32 array, which the tensor then
+        # shares: after a model's pass the caches are cold, and numpy's or torch's indexed write cost more
+        # there than this loop (128 rows: 0.07 against 0.11 ms, 13 against 16 us warm)
+        scores = array("f", bytes(4 * ends[-1])) if ends else array("f")
+        for i, value in zip(real, res.values):
+            if lengths[i]:
+                scores[ends[i] - 1] = value
         restarted = scorer.restarted
         scorer.restarted = 0
-        return {score_col: Rows(torch.from_numpy(flat), lengths), extra_col: reward_extra,
+        flat = torch.frombuffer(scores, dtype=torch.float32) if scores else torch.zeros(0)
+        return {score_col: Rows(flat, lengths), extra_col: reward_extra,
                 metrics_col: _chunk_metrics(ctx.chunks or (rows,), real, failed, restarted)}
 
     def close(self) -> None:
