@@ -44,7 +44,7 @@ a put or a get is still one round trip to a storage unit, with a few dozen bytes
   they map the segment's again) and maps in what is missing. A second get of a segment while an
   earlier one's tensors live maps its own, as before; so does every get where the pagemap cannot
   tell (checked once a process, `_pagemap_works`). A kept mapping of a segment its writer removed
-  is let go at the reader's next get.
+  is let go at the reader's next get, or when a partition is cleared (`forget`).
 - **Names and clean-up.** ``/dev/shm/rlgraph-<pid namespace>-<driver pid>-<plane token>-<writer
   pid>-<writer token>-<n>`` (the namespace: containers sharing ``/dev/shm`` may reuse pids). A
   writer removes its free segments when it closes; the driver removes every segment of its plane
@@ -258,9 +258,12 @@ class Segments:
             self._drop(s)
 
     def forget(self, partition: str) -> None:
-        """`partition` was cleared: no one reads its segments any more; they are free for reuse."""
+        """`partition` was cleared: no one reads its segments any more; they are free for reuse. The kept
+        mappings of segments their writers removed are let go too (a reader that gets no more would
+        otherwise keep their memory)."""
         with self._lock:
             done = self._busy.pop(partition, [])
+            self._drop_removed()
         for s in done:
             self._give_back(s)
 
@@ -330,7 +333,9 @@ class Segments:
                     return None
                 kept.leases = 1
                 return kept
-        fd = os.open(path, os.O_RDONLY)  # no lock on this one: the kept mapping holds none
+        # the same file as the locked descriptor, opened anew (no lock on this one: the kept mapping holds
+        # none), even if its writer removed it since: not by its path, which may be gone
+        fd = os.open(f"/proc/self/fd/{locked}", os.O_RDONLY)
         try:
             mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -479,8 +484,18 @@ def _pagemap() -> int | None:
     return _PAGEMAP[0]
 
 
-def _forget_pagemap() -> None:  # a forked child reads its own
+def _forget_pagemap() -> None:
+    """In a forked child: its own pagemap, opened at its first need; the parent's descriptor (which reads
+    the parent's pages) closed, and a lock of its own (another thread may have held the parent's)."""
+    global _PAGEMAP_LOCK
+    _PAGEMAP_LOCK = threading.Lock()
+    inherited = _PAGEMAP[0] if _PAGEMAP else None
     _PAGEMAP.clear()
+    if inherited is not None:
+        try:
+            os.close(inherited)
+        except OSError:
+            pass
 
 
 os.register_at_fork(after_in_child=_forget_pagemap)

@@ -453,6 +453,43 @@ def test_a_reader_lets_go_of_kept_mappings_of_removed_segments_and_keeps_at_most
         writer.close()
 
 
+@pytest.mark.skipif(not _kept_mappings_work(), reason="this machine's pagemap cannot tell a reader's own pages")
+def test_a_segment_removed_between_a_reader_s_two_opens_is_kept_and_let_go_when_a_partition_is_cleared(prefix):
+    writer = shm.Segments(prefix)
+    reader = shm.Segments(prefix)
+    try:
+        x = torch.randn(64, 1024)
+        _put(writer, "a", x=x)
+        name = _files(prefix)[0]
+        path = os.path.join(shm.SHM_DIR, name)
+        locked = os.open(path, os.O_RDONLY)  # the get's locked descriptor (`Segments.lease`)
+        try:
+            os.unlink(path)  # its writer removes it before the reader maps it to keep
+            kept = reader._keep(name, path, locked)  # the same file, opened anew without its path
+            assert kept is not None and reader.mapped() == 1
+            assert torch.equal(torch.frombuffer(kept.mapping, dtype=torch.float32, count=x.numel()).view_as(x), x)
+        finally:
+            os.close(locked)
+        kept.leases = 0  # the get's last tensor gone (`_release`)
+        del kept
+        reader.forget("some partition")  # a reader that gets no more still lets go of removed segments
+        assert reader.mapped() == 0
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_forked_child_closes_the_parent_s_pagemap_and_takes_a_lock_of_its_own(monkeypatch):
+    fd = os.open(os.devnull, os.O_RDONLY)  # standing in for the parent's /proc/self/pagemap
+    monkeypatch.setattr(shm, "_PAGEMAP", [fd])
+    monkeypatch.setattr(shm, "_PAGEMAP_LOCK", shm._PAGEMAP_LOCK)  # put back after the test
+    parents = shm._PAGEMAP_LOCK
+    shm._forget_pagemap()  # what os.fork runs in the child
+    assert shm._PAGEMAP == [] and shm._PAGEMAP_LOCK is not parents
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
 def test_where_pagemap_cannot_tell_each_get_maps_its_segment_anew(segments, monkeypatch):
     monkeypatch.setattr(shm, "_PAGEMAP", [None])
     x = torch.randn(64, 1024)
