@@ -211,12 +211,14 @@ def test_a_killed_driver_leaves_no_process_and_resume_ends_as_the_uninterrupted_
         assert len(_records(out)) >= 2, proc.communicate()[0]
         family = psutil.Process(proc.pid).children(recursive=True)
         assert any(_titled(p, "ray::") for p in family)  # its Ray workers, TQ, the raylet's children
+        # the ports the run listens on, read before the kill: read after it, the processes that held them
+        # may be gone already (a race this test lost once)
+        ports = {c.laddr.port for p in family for c in _listening(p)}
+        assert ports, "the run's processes listen on no port"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         # Ray fate-shares the processes the driver started with it; the rest (the raylet's agents, which
         # would wait 60 s on the dead control store with their ports bound) the run's reaper kills
-        ports = {c.laddr.port for p in family for c in _listening(p)}
-        assert ports, "the run's processes listen on no port"
         killed, bound = time.time(), time.time() + BOUND_S
         while _alive(family) and time.time() < bound:
             time.sleep(0.5)

@@ -113,8 +113,8 @@ class RewardWorker:
                 ctx.drop(i, "reward_timeout" if o.timed_out else "reward_error", group=True)
         # each score on its row's last token: a failed sample's score is 0, as the rest of its row; an
         # empty row has no token to hold one. Written by Python into a float32 array, which the tensor then
-        # shares: after a model's pass the caches are cold, and numpy's or torch's indexed write cost more
-        # there than this loop (128 rows: 0.07 against 0.11 ms, 13 against 16 us warm)
+        # shares: one loop for padding, failed and empty rows alike, as fast in the actor as numpy's indexed
+        # write was (128 rows, after a model's pass), and 13 against 16 us with warm caches
         scores = array("f", bytes(4 * ends[-1])) if ends else array("f")
         for i, value in zip(real, res.values):
             if lengths[i]:
