@@ -18,7 +18,7 @@ import time
 import traceback
 from array import array
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Iterator, Sequence
@@ -180,6 +180,16 @@ def torch_threads(planned: int) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+@contextmanager
+def _lent_threads(threads: int, own: int) -> Iterator[None]:
+    """`threads` torch threads inside (`torch_threads`), `own` again after."""
+    torch_threads(threads)
+    try:
+        yield
+    finally:
+        torch_threads(own)
 
 
 def _slice_rows(inputs: dict[str, Any], a: int, b: int, n: int) -> dict[str, Any]:
@@ -429,7 +439,7 @@ class GroupWorker:
         calls = ([(chunks[0][0], len(rows), tuple(n for _, n in chunks))] if op.vectorised
                  else [(index, n, ()) for index, n in chunks])
         at = 0
-        with self._threads(op) if self._lends_threads(op) else nullcontext():
+        with self._threads(op):
             for index, n, sizes in calls:
                 sub = rows[at:at + n]
                 with self._failures(op_name, step, index, sub, uids[at:at + n]):
@@ -538,19 +548,13 @@ class GroupWorker:
         result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
         yield result
 
-    @contextmanager
-    def _threads(self, op: Any) -> Iterator[None]:
+    def _threads(self, op: Any) -> AbstractContextManager[None]:
         """While `op`'s body runs: the torch threads the plan gives it, when more than the group's (it
         runs alone on its node: `rlgraph.graph.place.lent_threads`), capped at this process's cores.
-        `_run` asks `_lends_threads` first and enters this only when it does."""
-        torch_threads(op.torch_threads)
-        try:
-            yield
-        finally:
-            torch_threads(self.torch_threads)
-
-    def _lends_threads(self, op: Any) -> bool:
-        return op.torch_threads > self.torch_threads
+        Else nothing to do: a `nullcontext`, without a generator's cost."""
+        if op.torch_threads <= self.torch_threads:
+            return nullcontext()
+        return _lent_threads(op.torch_threads, self.torch_threads)
 
     def _failures(self, op_name: str, step: int, chunk: int, rows: tuple[int, ...], uids: Sequence[int]) -> "_Failures":
         """Turn anything an op body (or its inputs) raises into an `OpError` naming the call."""

@@ -591,7 +591,8 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
                 pass
         self._watch = lambda: dead_actors(self._actors)
         self._created: set[str] = set()  # partitions this plane created and has not cleared
-        # partition -> (global index, home or None) of each row, by row: the workers' addresses (`addresses`)
+        # partition -> (global index, home or None) of each row, by row, for the partitions it created: its own
+        # puts' and gets' addresses and the workers' (`addresses`)
         self._tables: dict[str, tuple[list[int], list[int | None]]] = {}
         units = [controller] if config.unit_hosted else [
             self._actors.get(f"TransferQueue storage unit {i}") for i in range(config.num_storage_units)]
@@ -645,9 +646,8 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         # a row by its key, str(row), and one unit, or TQ's own rule, needs no home
         self._manager.learn(list(meta.global_indexes), tags)
         self._created.add(partition)
-        # the driver knows its rows: it asks nothing before its own puts and gets, and hands them to
-        # the workers with each call (`addresses`), so theirs ask nothing either
-        self._rows[partition] = dict(zip(range(num_rows), zip(meta.global_indexes, tags)))
+        # the driver knows its rows: it asks nothing before its own puts and gets (`_own_addresses`), and
+        # hands them to the workers with each call (`addresses`), so theirs ask nothing either
         self._tables[partition] = (list(meta.global_indexes), [None] * num_rows if homes is None else list(homes))
         self._asked.pop(partition, None)
 
@@ -687,22 +687,22 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         return tuple(self._unit_nodes)
 
     def clear(self, partition: str) -> None:
-        known = self._rows.get(partition)
-        self._tables.pop(partition, None)
+        table = self._tables.pop(partition, None)
         self.forget(partition)
-        if known is None:  # a partition this plane did not create: TQ finds its rows
+        if table is None:  # a partition this plane did not create: TQ finds its rows
             self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
         else:
-            self._run(self._clear_known(partition, list(known.values())), f"clear partition {partition!r}")
+            indexes, homes = table
+            self._run(self._clear_known(partition, _Rows(indexes, rows=range(len(indexes)), homes=homes)),
+                      f"clear partition {partition!r}")
         self._created.discard(partition)
 
-    async def _clear_known(self, partition: str, rows: list[tuple[int, dict[str, Any]]]) -> None:
+    async def _clear_known(self, partition: str, meta: _Rows) -> None:
         """Clear a partition whose rows this plane knows (it created it): the storage units' rows and
         the controller's partition at once, one round trip. TQ's own clear makes four in turn (the
         partition's rows asked of the controller, their production status zeroed for TQ's consumers,
         which rlgraph does not use, the units, the controller): 4.9 ms of the driver's time a step.
         The rows' indexes are free for a new partition only once both have answered."""
-        meta = _Rows([g for g, _ in rows], [tag for _, tag in rows])
         await asyncio.gather(self._client.storage_manager.clear_data(meta),  # type: ignore[arg-type]
                              self._client._clear_partition_in_controller(partition))  # TQ's own request
 
