@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -122,3 +123,81 @@ def test_rlgraph_clients_requests_are_read_without_the_tensordict_walk_and_other
             assert torch.equal(got.body["td"]["x"], torch.arange(2))
     with pytest.raises(Exception, match="leading frame is empty"):
         message_class.deserialize([b""])
+
+
+class _Sent:
+    """A socket that keeps what is sent on it."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+    def send_multipart(self, frames, copy=False) -> None:
+        self.frames = list(frames)
+
+
+@pytest.fixture
+def tq_unit():
+    """TQ's own storage unit class with `DirectUnit` mixed in, as `UnitHost.unit_start` makes it."""
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    base = SimpleStorageUnit.__ray_metadata__.modified_class.__ray_actor_class__
+    made = type("HostedStorageUnit", (DirectUnit, base), {})({"total_storage_size": 4, "num_data_storage_units": 1})
+    yield made
+    made.shutdown()
+
+
+def test_an_rlgraph_client_s_put_and_get_are_answered_as_tq_s_handler_answers_them(tq_unit):
+    """`DirectUnit._answer` against TQ's `_process_one_worker_request` on the same requests: the same
+    answer kinds and bodies (errors word for word), the same stored cells and counts; anything that
+    is not an rlgraph client's put or get is left to TQ's handler."""
+    from transfer_queue.storage.simple_storage import IntervalPerfMonitor
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from rlgraph.runtime.dataplane import wire
+
+    ours, theirs = f"TQ_STORAGE_MANAGER_1{wire.SUFFIX}", "TQ_STORAGE_MANAGER_1"
+    identity = b"TQ_STORAGE_client"
+    monitor = IntervalPerfMonitor(caller_name="test")
+
+    def by_tq(kind, body):
+        sent = _Sent()
+        frames = ZMQMessage.create(request_type=kind, sender_id=ours, receiver_id="u", body=body).serialize()
+        tq_unit._process_one_worker_request(unit_mod._Received(sent, [identity, *frames]), monitor)
+        return sent.frames
+
+    def by_ours(kind, body, sender=ours):
+        sent = _Sent()
+        answered = tq_unit._answer(sent, [identity, *wire.pack(kind, sender, "u", body)], monitor)
+        return sent.frames if answered else None
+
+    requests = [
+        (ZMQRequestType.PUT_DATA, {"global_indexes": [0, 1], "data": {"x": [b"a", b"bc"], "y": [b"", b"d"]},
+                                   "data_parser": None}),
+        (ZMQRequestType.GET_DATA, {"global_indexes": [1, 0], "fields": ["y", "x"]}),
+        (ZMQRequestType.GET_DATA, {"global_indexes": [3], "fields": ["x"]}),  # a row never put
+        (ZMQRequestType.GET_DATA, {"global_indexes": [0], "fields": ["z"]}),  # a field never put
+        (ZMQRequestType.PUT_DATA, {"global_indexes": [5, 6, 7], "data": {"x": [b"e", b"f", b"g"]},
+                                   "data_parser": None}),  # beyond the unit's 4 rows
+        (ZMQRequestType.PUT_DATA, {"global_indexes": [2], "data": {"x": [b"e", b"f"]}, "data_parser": None}),
+    ]
+    for kind, body in requests:
+        arrived = tq_unit._requests_arrived
+        answer = by_ours(kind, body)
+        assert answer is not None and answer[0] == identity and len(answer) == 2
+        assert tq_unit._requests_arrived == arrived + 1
+        reference = by_tq(kind, body)
+        mine, tq_s = ZMQMessage.deserialize(answer[1:]), ZMQMessage.deserialize(reference[1:])
+        assert (mine.request_type, mine.sender_id, mine.receiver_id) == \
+            (tq_s.request_type, tq_s.sender_id, tq_s.receiver_id), body
+        assert mine.body == tq_s.body, body
+    assert tq_unit._arrivals_by_op == {"PUT_DATA": 6, "GET_DATA": 6}
+    assert tq_unit.storage_data.get_data(["x"], [0, 1]) == {"x": [b"a", b"bc"]}
+    # left to TQ's handler: another sender, a put with a data parser, a clear, a frame that is not msgpack
+    put = {"global_indexes": [0], "data": {"x": [b"a"]}, "data_parser": None}
+    assert by_ours(ZMQRequestType.PUT_DATA, put, sender=theirs) is None
+    assert by_ours(ZMQRequestType.PUT_DATA, {**put, "data_parser": "parse"}) is None
+    assert by_ours(ZMQRequestType.CLEAR_DATA, {"global_indexes": [0]}) is None
+    assert not tq_unit._answer(_Sent(), [identity, b"\xc1 not msgpack"], monitor)
+    assert not tq_unit._answer(_Sent(), [identity, *wire.pack(ZMQRequestType.GET_DATA, ours, "u", put)[0:1], b"x"],
+                               monitor)
+    assert tq_unit._arrivals_by_op == {"PUT_DATA": 6, "GET_DATA": 6}
