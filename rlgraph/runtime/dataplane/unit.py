@@ -109,18 +109,63 @@ class DirectUnit:
         serve = inspect.unwrap(getattr(type(self), "_process_one_worker_request"))
         if "ZMQMessage" in serve.__globals__:  # what it decodes each request with
             serve.__globals__["ZMQMessage"] = _message_class(serve.__globals__["ZMQMessage"])
+        self._serve_lock = threading.Lock()  # TQ's storage is touched by one thread at a time
+        self._monitor = None
         self.worker_thread = threading.Thread(target=self._serve, name=f"StorageUnitThread-{self.storage_unit_id}",
                                               daemon=True)
         self.worker_thread.start()
+        self._link = self._listen()
+
+    def _listen(self) -> Any:
+        """This unit's link (`rlgraph.runtime.dataplane.link`), or None where it has none."""
+        from rlgraph.runtime.dataplane import guard, link
+
+        secret = guard.installed_secret()
+        if not link.enabled() or not secret:
+            return None
+        try:
+            return link.Listener(link.address(self.storage_unit_id, secret), secret, self._answer_link,
+                                 self._serve_lock, self.storage_unit_id)
+        except OSError as e:  # its address taken: clients reach this unit by ZMQ
+            log.warning("storage unit %s: no link (%s); clients use ZMQ", self.storage_unit_id, e)
+            return None
+
+    def _answer_link(self, request: bytearray) -> Any:
+        """The answer to a request that came by link (a `Wire`'s put or get): its one frame."""
+        from transfer_queue.utils.zmq_utils import ZMQRequestType
+
+        from rlgraph.runtime.dataplane import wire
+
+        exporter = getattr(self, "_metrics", None)
+        reply = self._reply(request, exporter if exporter is not None else self._perf_monitor())
+        if reply is None or len(reply) != 1:
+            reply = wire.pack(ZMQRequestType.PUT_GET_OPERATION_ERROR, self.storage_unit_id, None, {
+                "message": f"storage unit {self.storage_unit_id}: a link carries only an rlgraph client's puts and "
+                           f"gets"})
+        return reply[0]
+
+    def _perf_monitor(self) -> Any:
+        if self._monitor is None:
+            from transfer_queue.storage.simple_storage import IntervalPerfMonitor
+
+            self._monitor = IntervalPerfMonitor(caller_name=f"{self.storage_unit_id}")
+        return self._monitor
+
+    def shutdown(self) -> None:
+        """TQ's shutdown, after closing this unit's link."""
+        link, self._link = getattr(self, "_link", None), None
+        if link is not None:
+            link.close()
+        super().shutdown()  # type: ignore[misc]
 
     def _serve(self) -> None:
         import zmq
-        from transfer_queue.storage.simple_storage import STORAGE_CLIENT_IDENTITY_PREFIXES, IntervalPerfMonitor
+        from transfer_queue.storage.simple_storage import STORAGE_CLIENT_IDENTITY_PREFIXES
 
         front = self.put_get_socket
         poller = zmq.Poller()
         poller.register(front, zmq.POLLIN)
-        monitor = IntervalPerfMonitor(caller_name=f"{self.storage_unit_id}")
+        monitor = self._perf_monitor()
         while not self._shutdown_event.is_set():
             try:
                 if not poller.poll(1000):  # bounded, so that a shutdown is seen within a second
@@ -135,9 +180,10 @@ class DirectUnit:
                 continue  # not a TransferQueue client: dropped, as TQ's proxy drops it
             exporter = getattr(self, "_metrics", None)
             try:
-                if not self._answer(front, frames, exporter if exporter is not None else monitor):
-                    self._process_one_worker_request(_Received(front, frames),  # type: ignore[attr-defined]
-                                                     exporter if exporter is not None else monitor)
+                with self._serve_lock:
+                    if not self._answer(front, frames, exporter if exporter is not None else monitor):
+                        self._process_one_worker_request(_Received(front, frames),  # type: ignore[attr-defined]
+                                                         exporter if exporter is not None else monitor)
             except zmq.ContextTerminated:
                 return
             except Exception:  # one request's failure (its client times out naming the unit); the unit serves on
@@ -149,29 +195,38 @@ class DirectUnit:
     def _answer(self, front: Any, frames: list[Any], monitor: Any) -> bool:
         """Answer an rlgraph client's put or get as TQ's handler would (see the module); False,
         having sent nothing, for any other request."""
+        if len(frames) != 2:  # an identity and one msgpack frame: what a `Wire` sends
+            return False
+        reply = self._reply(frames[1], monitor)
+        if reply is None:
+            return False
+        front.send_multipart([frames[0], *reply], copy=False)
+        return True
+
+    def _reply(self, frame: Any, monitor: Any) -> list[Any] | None:
+        """The answer's frames to the request in msgpack `frame`, if it is an rlgraph client's put
+        or get (see the module); None, having done nothing, for any other request."""
         from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
         from transfer_queue.utils.common import log_heavy_operation
         from transfer_queue.utils.zmq_utils import ZMQRequestType
 
         from rlgraph.runtime.dataplane import wire
 
-        if len(frames) != 2:  # an identity and one msgpack frame: what a `Wire` sends
-            return False
         try:
-            request = wire.unpack(frames[1])
+            request = wire.unpack(frame)
         except Exception:
-            return False  # TQ's handler answers with its own error
+            return None  # TQ's handler answers with its own error
         if type(request) is not dict:
-            return False
+            return None
         kind, sender, body = request.get("request_type"), request.get("sender_id"), request.get("body")
         if not (isinstance(sender, str) and sender.endswith(wire.SUFFIX)) or type(body) is not dict:
-            return False
+            return None
         if kind == ZMQRequestType.PUT_DATA.value and body.get("data_parser") is None:
             op = "PUT_DATA"
         elif kind == ZMQRequestType.GET_DATA.value:
             op = "GET_DATA"
         else:
-            return False
+            return None
         self._requests_arrived += 1  # type: ignore[attr-defined]
         arrivals = self._arrivals_by_op  # type: ignore[attr-defined]
         arrivals[op] = arrivals.get(op, 0) + 1
@@ -201,8 +256,7 @@ class DirectUnit:
         if op == "GET_DATA":
             log_heavy_operation(self.storage_unit_id, "get", time.perf_counter() - started, sum(map(len, reply)),
                                 f"samples={len(body.get('global_indexes', ()))} fields={list(body.get('fields', ()))}")
-        front.send_multipart([frames[0], *reply], copy=False)
-        return True
+        return reply
 
 
 class UnitHost:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import time
 from typing import Any, Callable, Mapping
@@ -42,11 +43,13 @@ import zmq
 from transfer_queue.utils import serial_utils
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, ZMQSocketPool, frame_nbytes
 
+from rlgraph.runtime.dataplane import guard, link
 from rlgraph.runtime.dataplane.base import DataPlaneDied, DataPlaneError
 
 __all__ = ["SUFFIX", "Wire", "WATCH_S", "decode", "pack", "unpack"]
 
 WATCH_S = 1.0  # how often a wait asks whether a plane actor died
+log = logging.getLogger(__name__)
 
 
 class _Plain(serial_utils.MsgpackDecoder):
@@ -113,6 +116,11 @@ class Wire:
         self._units = dict(units)
         self._ctx = zmq.Context()
         self._pool = ZMQSocketPool(self._ctx, self._id, "put_get_socket")
+        # a unit on this machine is sent to over its link (`link`); the others, and any unit
+        # without one, over ZMQ
+        secret = guard.installed_secret() if link.enabled() else None
+        self._links = link.Links(secret, lambda unit: link.address(getattr(self._units[unit], "id", unit), secret),
+                                 WATCH_S)
 
     def put(self, requests: Mapping[str, tuple[list[int], dict[str, list[Any]]]], timeout_s: float, what: str,
             watch: Callable[[], list[str]] | None = None, during: Callable[[], None] | None = None) -> None:
@@ -154,33 +162,70 @@ class Wire:
                   watch: Callable[[], list[str]] | None,
                   during: Callable[[], None] | None = None) -> dict[str, ZMQMessage]:
         deadline = time.monotonic() + timeout_s
-        with contextlib.ExitStack() as leases:
-            sockets = {}
-            for unit, message in messages.items():
-                sock = leases.enter_context(self._pool.lease(self._units[unit]))
-                sock.send_multipart(message.serialize() if isinstance(message, ZMQMessage) else message, copy=False)
-                sockets[sock] = unit
-            if during is not None:
-                during()
-            poller = zmq.Poller()
-            for sock in sockets:
-                poller.register(sock, zmq.POLLIN)
-            answers: dict[str, ZMQMessage] = {}
-            while len(answers) < len(sockets):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DataPlaneError(f"timed out after {timeout_s:.0f}s waiting for TransferQueue to {what} "
-                                         f"(no answer from storage units {sorted(set(sockets.values()) - set(answers))})")
-                ready = dict(poller.poll(1000 * min(left, WATCH_S if watch is not None else left)))
-                for sock in ready:
-                    answers[sockets[sock]] = decode(sock.recv_multipart(copy=False))
-                    poller.unregister(sock)
-                if not ready and watch is not None:
-                    dead = watch()
-                    if dead:
-                        raise DataPlaneDied(dead, f"waiting for TransferQueue to {what}")
-            return answers
+        framed = {unit: m.serialize() if isinstance(m, ZMQMessage) else m for unit, m in messages.items()}
+        linked: dict[str, Any] = {}  # unit -> the link connection its request went on, until answered
+        try:
+            with contextlib.ExitStack() as leases:
+                sockets = {}
+                for unit, frames in framed.items():
+                    if len(frames) == 1 and self._send_by_link(unit, frames[0], linked):
+                        continue
+                    sock = leases.enter_context(self._pool.lease(self._units[unit]))
+                    sock.send_multipart(frames, copy=False)
+                    sockets[sock] = unit
+                if during is not None:
+                    during()
+                answers: dict[str, ZMQMessage] = {}
+                if linked:
+                    wait = link.Deadline(deadline, timeout_s, what, lambda: sorted(set(framed) - set(answers)), watch,
+                                         WATCH_S)
+                    for unit, conn in list(linked.items()):
+                        try:
+                            answers[unit] = decode([link.receive(conn, wait)])
+                        except OSError as e:  # the link broke (its unit died, or is closing): on by ZMQ
+                            self._links.drop(unit, linked.pop(unit), unlink=True)
+                            log.debug("storage unit %s: link broke (%s) while trying to %s; asking by ZMQ", unit, e, what)
+                            sock = leases.enter_context(self._pool.lease(self._units[unit]))
+                            sock.send_multipart(framed[unit], copy=False)
+                            sockets[sock] = unit
+                            continue
+                        self._links.give(unit, linked.pop(unit))
+                poller = zmq.Poller()
+                for sock in sockets:
+                    poller.register(sock, zmq.POLLIN)
+                while len(answers) < len(framed):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise DataPlaneError(f"timed out after {timeout_s:.0f}s waiting for TransferQueue to {what} "
+                                             f"(no answer from storage units {sorted(set(framed) - set(answers))})")
+                    ready = dict(poller.poll(1000 * min(left, WATCH_S if watch is not None else left)))
+                    for sock in ready:
+                        answers[sockets[sock]] = decode(sock.recv_multipart(copy=False))
+                        poller.unregister(sock)
+                    if not ready and watch is not None:
+                        dead = watch()
+                        if dead:
+                            raise DataPlaneDied(dead, f"waiting for TransferQueue to {what}")
+                return answers
+        finally:
+            for unit, conn in linked.items():  # a request unanswered: its late answer must never be read
+                self._links.drop(unit, conn)
+
+    def _send_by_link(self, unit: str, frame: Any, linked: dict[str, Any]) -> bool:
+        """Send `unit` its request over its link, if it has one; False: send it by ZMQ."""
+        conn = self._links.take(unit)
+        if conn is None:
+            return False
+        try:
+            link.send(conn, frame)
+        except OSError as e:  # the unit went since the connection was made
+            self._links.drop(unit, conn, unlink=True)
+            log.debug("storage unit %s: link broke (%s); using ZMQ", unit, e)
+            return False
+        linked[unit] = conn
+        return True
 
     def close(self) -> None:
+        self._links.close()
         self._pool.close()
         self._ctx.destroy(linger=0)

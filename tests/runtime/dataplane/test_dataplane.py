@@ -322,6 +322,33 @@ def test_tq_rows_are_stored_on_their_home_unit_by_every_client(tq_plane, workers
 
 
 @pytest.mark.ray
+def test_a_client_on_the_units_machine_goes_by_their_links_and_one_with_links_off_by_zmq(tq_plane, monkeypatch):
+    """Both reach the same storage: what one puts, the other reads (`rlgraph.runtime.dataplane.link`)."""
+    from rlgraph.runtime.dataplane import link
+
+    p = _part()
+    tq_plane.create_partition(p, 6)
+    x = torch.randn(6, 4)
+    linked, by_zmq = tq_plane.handle().connect(), tq_plane.handle().connect()
+    try:
+        linked.put(p, [0, 1, 2], {"x": x[:3], "t": list("abc")})
+        monkeypatch.setenv(link.ENV, "0")  # read when a client's first request makes its wire
+        by_zmq.put(p, [3, 4, 5], {"x": x[3:], "t": list("def")})
+        monkeypatch.delenv(link.ENV)
+        for client in (linked, by_zmq):
+            out = client.get(p, (5, 0, 1, 2, 3, 4), ["x", "t"])
+            assert _same(out["x"], x[[5, 0, 1, 2, 3, 4]]) and out["t"] == list("fabcde")
+        with_link, without = linked._manager._wire()._links, by_zmq._manager._wire()._links
+        # the rows lie on both units (TQ's rule: global index modulo units), each reached by its link
+        assert sorted(with_link._idle) == sorted(linked._manager.unit_ids) and not with_link._unlinked
+        assert not without._idle and without.take(linked._manager.unit_ids[0]) is None
+    finally:
+        linked.close()
+        by_zmq.close()
+        tq_plane.clear(p)
+
+
+@pytest.mark.ray
 def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_plane):
     # the driver hands each call the rows' addresses (global index, home unit); the worker's put
     # and get then go straight to the storage units, to the rows' homes, with no lookup

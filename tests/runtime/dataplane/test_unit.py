@@ -201,3 +201,23 @@ def test_an_rlgraph_client_s_put_and_get_are_answered_as_tq_s_handler_answers_th
     assert not tq_unit._answer(_Sent(), [identity, *wire.pack(ZMQRequestType.GET_DATA, ours, "u", put)[0:1], b"x"],
                                monitor)
     assert tq_unit._arrivals_by_op == {"PUT_DATA": 6, "GET_DATA": 6}
+
+
+def test_a_request_by_link_is_answered_as_one_by_zmq_and_only_puts_and_gets_go_that_way(tq_unit):
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from rlgraph.runtime.dataplane import wire
+
+    ours = f"TQ_STORAGE_MANAGER_1{wire.SUFFIX}"
+    put = wire.pack(ZMQRequestType.PUT_DATA, ours, "u", {"global_indexes": [0], "data": {"x": [b"a"]},
+                                                          "data_parser": None})
+    answer = ZMQMessage.deserialize([tq_unit._answer_link(bytearray(put[0]))])
+    assert answer.request_type == ZMQRequestType.PUT_DATA_RESPONSE
+    got = wire.pack(ZMQRequestType.GET_DATA, ours, "u", {"global_indexes": [0], "fields": ["x"]})
+    answer = ZMQMessage.deserialize([tq_unit._answer_link(bytearray(got[0]))])
+    assert answer.request_type == ZMQRequestType.GET_DATA_RESPONSE and answer.body == {"data": {"x": [b"a"]}}
+    clear = wire.pack(ZMQRequestType.CLEAR_DATA, ours, "u", {"global_indexes": [0]})
+    answer = ZMQMessage.deserialize([tq_unit._answer_link(bytearray(clear[0]))])
+    assert answer.request_type == ZMQRequestType.PUT_GET_OPERATION_ERROR
+    assert "a link carries only an rlgraph client's puts and gets" in answer.body["message"]
+    assert tq_unit.storage_data.get_data(["x"], [0]) == {"x": [b"a"]}  # the clear was not done
