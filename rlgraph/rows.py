@@ -55,9 +55,13 @@ class Rows(list):
     `rlgraph.runtime.invoke` gives a body its rows cut (`cut`), and rlgraph's own code reads a `Rows`
     through `flat`, or as a list by Python (``list(rows)``, a loop), which cuts it first."""
 
-    __slots__ = ("flat", "lengths", "_padded", "_cut")
+    __slots__ = ("flat", "lengths", "sums", "_padded", "_cut")
 
-    def __init__(self, flat: torch.Tensor, lengths: Sequence[int]) -> None:
+    def __init__(self, flat: torch.Tensor, lengths: Sequence[int], sums: Sequence[float] | None = None) -> None:
+        """`sums`: each row's sum, where its maker has them without a pass over the elements (the
+        reward: each row holds one score). They must be exactly what summing the row in float64 gives;
+        the worker's summaries of an op's outputs (`rlgraph.runtime.worker`) read them instead of
+        summing the rows. A `Rows` changed as a list forgets them, as it forgets `flat`."""
         if flat.dim() != 1:
             raise ValueError(f"Rows takes a 1-D flat tensor of the rows one after another, got shape "
                              f"{tuple(flat.shape)}")
@@ -67,8 +71,11 @@ class Rows(list):
             raise ValueError(f"Rows of lengths summing to {sum(lengths)} (smallest {min(lengths, default=0)}) "
                              f"cannot be cut from a flat tensor of {flat.shape[0]} elements; give each row's "
                              f"length, in order")
+        if sums is not None and len(sums) != len(lengths):
+            raise ValueError(f"Rows of {len(lengths)} rows given {len(sums)} row sums; give one sum a row, or none")
         self.flat: torch.Tensor | None = flat
         self.lengths = lengths
+        self.sums: list[float] | None = None if sums is None else list(sums)
         self._padded: torch.Tensor | None = None
         self._cut = not lengths  # whether the list holds the views (`cut`)
 
@@ -105,6 +112,7 @@ class Rows(list):
         # not the kept padding: a reader may change what `padded` gives it, which no version counter of
         # the rows tells; the lengths its own list
         out.flat, out.lengths, out._padded, out._cut = self.flat, list(self.lengths), None, self._cut
+        out.sums = self.sums  # the same tensors: the same sums
         return out
 
     def __len__(self) -> int:
@@ -149,7 +157,7 @@ def _forgetting(name: str) -> Any:
     def method(self: Rows, *args: Any, **kwargs: Any) -> Any:
         if not self._cut:
             self.cut()
-        self.flat, self._padded = None, None  # the rows no longer are `flat`'s views, in order
+        self.flat, self._padded, self.sums = None, None, None  # the rows no longer are `flat`'s views, in order
         return base(self, *args, **kwargs)
 
     method.__name__ = name

@@ -47,6 +47,18 @@ def test_rows_changed_in_place_forget_their_flat_tensor_and_pad_what_they_hold()
         assert r.flat is None
 
 
+def test_row_sums_given_with_the_rows_are_read_until_the_rows_change_as_a_list():
+    from rlgraph.runtime.worker import _row_sums
+
+    rows = Rows(torch.tensor([0.0, 1.5, 0.0, 0.0, 2.0]), [2, 0, 3], sums=[1.5, 0.0, 2.0])
+    assert rows.sums == [1.5, 0.0, 2.0] and rows.shared().sums == rows.sums and _row_sums(rows) is rows.sums
+    assert Rows(torch.arange(3), [1, 2]).sums is None
+    with pytest.raises(ValueError, match="Rows of 2 rows given 3 row sums"):
+        Rows(torch.arange(3), [1, 2], sums=[0.0, 1.0, 2.0])
+    rows[0] = torch.tensor([5.0])
+    assert rows.sums is None and _row_sums(rows) == [5.0, 0.0, 2.0]  # summed again, from what it holds
+
+
 def test_rows_pickle_and_copy_as_plain_lists():
     # the flat tensor never travels beside its own views (a Ray call, a checkpoint)
     rows = Rows(torch.arange(5), [2, 3])

@@ -114,15 +114,19 @@ class RewardWorker:
         # each score on its row's last token: a failed sample's score is 0, as the rest of its row; an
         # empty row has no token to hold one. Written by Python into a float32 array, which the tensor then
         # shares: one loop for padding, failed and empty rows alike, as fast in the actor as numpy's indexed
-        # write was (128 rows, after a model's pass), and 13 against 16 us with warm caches
+        # write was (128 rows, after a model's pass), and 13 against 16 us with warm caches. Each row's sum
+        # is its one score as stored (float32), given with the rows (`Rows.sums`): the worker's summary
+        # of the column then sums nothing (0.067 ms a call of 128 rows in the actor)
         scores = array("f", bytes(4 * ends[-1])) if ends else array("f")
+        sums = [0.0] * rows
         for i, value in zip(real, res.values):
             if lengths[i]:
                 scores[ends[i] - 1] = value
+                sums[i] = scores[ends[i] - 1]
         restarted = scorer.restarted
         scorer.restarted = 0
         flat = torch.frombuffer(scores, dtype=torch.float32) if scores else torch.zeros(0)
-        return {score_col: Rows(flat, lengths), extra_col: reward_extra,
+        return {score_col: Rows(flat, lengths, sums), extra_col: reward_extra,
                 metrics_col: _chunk_metrics(ctx.chunks or (rows,), real, failed, restarted)}
 
     def close(self) -> None:

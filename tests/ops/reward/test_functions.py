@@ -295,6 +295,14 @@ def test_the_rule_reward_puts_each_score_on_its_row_s_last_response_token():
                              executor="thread", concurrency=2, timeout_s=0.0, on_error="zero", tokenizer="", ctx=ctx)
     assert torch.equal(plain["token_level_scores"].padded(), expected[keep])
     assert plain["reward_metrics"]["scored_count"] == 3 and plain["reward_metrics"]["error_count"] == 1
+    # each row's sum comes with the rows (the worker's summaries read it) and is what summing the row gives,
+    # padding, failed and empty rows included
+    from rlgraph.runtime.worker import _row_sums
+
+    for scored in (out, unread, padded_in, inline, plain):
+        given = scored["token_level_scores"]
+        assert given.sums is not None
+        assert _row_sums(given) == _row_sums(Rows(given.flat, given.lengths)) == given.padded().double().sum(1).tolist()
 
 
 def test_the_rule_reward_scores_a_call_of_several_chunks_as_one_call_per_chunk_would():
