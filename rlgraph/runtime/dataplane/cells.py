@@ -31,7 +31,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import json
+import os
+import queue
 import struct
 import threading
 from typing import Any, Iterator, Protocol, Sequence
@@ -109,18 +112,15 @@ def encode(col: _Column) -> list[bytes]:
 
 
 def write(col: _Column, buffer: Any, offset: int) -> None:
-    """Copy a tensor column's rows, one after another, into writable `buffer` at `offset`, on the
-    calling thread alone: a put sends the cells first and copies while the storage unit stores them
-    on the other core (`rlgraph.runtime.dataplane.wire.Wire.put`).
+    """Copy a tensor column's rows, one after another, into writable `buffer` at `offset`: a put
+    sends the cells first and copies while the storage unit stores them (`rlgraph.runtime.dataplane.wire.Wire.put`).
 
     A dense column in CPU memory (and a ragged one kept as `Rows`, by its flat tensor) is one C
-    ``memmove``; one on a GPU is one ``copy_``. The rows of any other ragged column are joined by one
-    ``torch.cat`` into the buffer (a numpy copy per row cost ~7 us a row: 7.4 ms for 1,024 rows
-    against 1.5 ms), on one torch thread: its OpenMP threads spin for a while after a parallel
-    copy, taking the CPU from the storage unit (on 2 cores a put's round trip took 2-4 ms longer).
-    Copying on two threads (torch's, or two halves on two Python threads) was no faster on 2 cores:
-    16 MB copied in 1.0 ms instead of 1.2-1.4, but the storage unit then found no core free and
-    answered 0.4 ms after the copy instead of 0.1."""
+    ``memmove``, shared with a second thread from `SHARED_COPY_BYTES` (`_Copier`); one on a GPU is one
+    ``copy_``. The rows of any other ragged column are joined by one ``torch.cat`` into the buffer (a
+    numpy copy per row cost ~7 us a row: 7.4 ms for 1,024 rows against 1.5 ms), on one torch thread:
+    its OpenMP threads spin for a while after a parallel copy, taking the CPU from the storage unit
+    (on 2 cores a put's round trip took 2-4 ms longer)."""
     rows = col.value
     if col.kind == "dense" or type(rows) is Rows and rows.flat is not None:  # a Rows: its flat tensor, as dense
         t: torch.Tensor = (rows if col.kind == "dense" else rows.flat).detach()
@@ -131,7 +131,10 @@ def write(col: _Column, buffer: Any, offset: int) -> None:
         # the bytes as they lie: not a lazily conjugated or negated view (copy_ resolves those)
         if type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() \
                 and not t.is_neg():
-            ctypes.memmove(dest, t.data_ptr(), count)
+            if count >= SHARED_COPY_BYTES:
+                _copier().copy(ctypes.addressof(dest), t.data_ptr(), count)
+            else:
+                ctypes.memmove(dest, t.data_ptr(), count)
             return
         with torch.no_grad(), _one_thread():
             torch.frombuffer(dest, dtype=torch.uint8).view(t.dtype).copy_(t.reshape(-1))
@@ -146,6 +149,87 @@ def write(col: _Column, buffer: Any, offset: int) -> None:
     dest = torch.frombuffer(buffer, dtype=torch.uint8, count=count * values[0].element_size(), offset=offset)
     with torch.no_grad(), _one_thread():
         torch.cat(parts, out=dest.view(values[0].dtype))
+
+
+SHARED_COPY_BYTES = 4 << 20  # a copy this large is shared with a second thread (`_Copier`)
+_CHUNK = 1 << 20
+_COPY_WAIT_S = 60.0  # a copy's wait for its other thread's last chunk (a chunk takes ~0.1 ms)
+
+
+class _Copy:
+    """One copy cut into chunks that the threads sharing it take in turn (`_Copier`)."""
+
+    def __init__(self, dest: int, src: int, count: int) -> None:
+        self.dest, self.src, self.count = dest, src, count
+        self.chunks = -(-count // _CHUNK)
+        self._next = itertools.count()  # taken from by both threads: ``next`` on it is atomic in CPython
+        self._lock = threading.Lock()
+        self._copied = 0
+        self.done = threading.Event()
+
+    def work(self) -> None:
+        """Copy chunks until none is left to take."""
+        while True:
+            i = next(self._next)
+            if i >= self.chunks:
+                return
+            start = i * _CHUNK
+            ctypes.memmove(self.dest + start, self.src + start, min(_CHUNK, self.count - start))  # the GIL let go
+            with self._lock:
+                self._copied += 1
+                if self._copied == self.chunks:
+                    self.done.set()
+
+
+class _Copier:
+    """A second thread for large copies (`write`). A put's copy into its shared-memory segment is
+    bound by memory, and one thread did not reach what two do: 16.8 MB took 1.8-1.9 ms on one thread
+    against 1.3-1.4 ms on two, while the storage unit, which has already been sent the put's request,
+    stores it on the same cores (over a link its thread is done in ~0.1 ms; over ZMQ's sockets it took
+    the second core from the copy and answered 0.4 ms late). The calling thread copies too, so a
+    second thread that gets no core (the other core busy) costs the copy nothing: the calling thread
+    takes every chunk. A copy waits for the other thread only for the chunk it is copying."""
+
+    def __init__(self) -> None:
+        self._copies: queue.SimpleQueue[_Copy] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rlgraph-copy", daemon=True)
+        self._thread.start()
+
+    def copy(self, dest: int, src: int, count: int) -> None:
+        job = _Copy(dest, src, count)
+        self._copies.put(job)
+        job.work()
+        if not job.done.wait(_COPY_WAIT_S):
+            raise DataPlaneError(f"a copy of {count} bytes into shared memory waited {_COPY_WAIT_S:.0f}s for its "
+                                 f"second thread's last chunk")
+
+    def _run(self) -> None:
+        while True:
+            self._copies.get().work()
+
+
+_copiers: dict[int, _Copier] = {}  # by pid: a forked child starts its own thread
+_copiers_lock = threading.Lock()
+
+
+def _forked() -> None:
+    global _copiers_lock
+    _copiers_lock = threading.Lock()  # one a thread of the parent held at the fork would never be let go
+    _copiers.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _copier() -> _Copier:
+    pid = os.getpid()
+    found = _copiers.get(pid)
+    if found is None:
+        with _copiers_lock:
+            found = _copiers.get(pid)
+            if found is None:
+                found = _copiers[pid] = _Copier()
+    return found
 
 
 @contextlib.contextmanager

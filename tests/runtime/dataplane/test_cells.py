@@ -154,3 +154,41 @@ def test_a_put_of_rows_reads_their_flat_tensor_and_lengths_without_cutting_their
     assert cells.encode(col) == cells.encode(_normalize("responses", plain, 3))
     assert cells.shared(col, "seg", 64) == cells.shared(_normalize("responses", plain, 3), "seg", 64)
     assert list.__len__(rows) == 0  # never cut
+
+
+def test_a_large_copy_is_shared_with_a_second_thread_and_done_whole_by_the_caller_when_that_thread_is_busy(
+        monkeypatch):
+    """`write` copies a large tensor column in chunks that the calling thread and the copier's thread take in
+    turn; the bytes are the column's either way, and a copier thread that never comes costs only its help."""
+    import threading
+
+    monkeypatch.setattr(cells, "_CHUNK", 4096)  # many chunks, so that both threads take some
+    monkeypatch.setattr(cells, "SHARED_COPY_BYTES", 1)
+    g = torch.Generator().manual_seed(0)
+    for value in (torch.randn(64, 1000, generator=g),  # 256,000 bytes: 63 chunks, the last one short
+                  Rows(torch.randint(0, 1000, (9000,), generator=g), [3000, 0, 6000])):
+        col = _normalize("c", value, 64 if isinstance(value, torch.Tensor) else 3)
+        flat = value if isinstance(value, torch.Tensor) else value.flat
+        buffer = bytearray(flat.numel() * flat.element_size() + 100)
+        cells.write(col, buffer, 100)
+        assert torch.equal(torch.frombuffer(buffer, dtype=torch.uint8, offset=100).view(flat.dtype).view(flat.shape),
+                           flat)
+    # threads writing at once each get their own bytes
+    values = [torch.full((50_000,), float(i)) for i in range(4)]
+    buffers = [bytearray(200_000) for _ in values]
+    threads = [threading.Thread(target=cells.write, args=(_normalize("c", v.view(10, -1), 10), b, 0))
+               for v, b in zip(values, buffers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for v, b in zip(values, buffers):
+        assert torch.equal(torch.frombuffer(b, dtype=torch.float32), v)
+    # a copier whose thread never takes a chunk: the calling thread copies them all, and does not wait
+    stuck = cells._Copier.__new__(cells._Copier)
+    stuck._copies = type("Nowhere", (), {"put": lambda self, job: None})()
+    monkeypatch.setattr(cells, "_copier", lambda: stuck)
+    value = torch.randn(256, 256, generator=g)
+    buffer = bytearray(value.numel() * 4)
+    cells.write(_normalize("c", value, 256), buffer, 0)
+    assert torch.equal(torch.frombuffer(buffer, dtype=torch.float32).view(256, 256), value)
