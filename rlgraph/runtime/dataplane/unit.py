@@ -89,6 +89,16 @@ class _Received:
         self._socket.send_multipart(frames, copy=copy)
 
 
+class _Sent:
+    """A stand-in socket that keeps what TQ's handler sends on it (a link's answer)."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+    def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
+        self.frames = list(frames)
+
+
 class DirectUnit:
     """Mixin for TQ's ``SimpleStorageUnit`` (see the module): one thread serves its requests."""
 
@@ -130,19 +140,24 @@ class DirectUnit:
             log.warning("storage unit %s: no link (%s); clients use ZMQ", self.storage_unit_id, e)
             return None
 
-    def _answer_link(self, request: bytearray) -> Any:
-        """The answer to a request that came by link (a `Wire`'s put or get): its one frame."""
-        from transfer_queue.utils.zmq_utils import ZMQRequestType
-
-        from rlgraph.runtime.dataplane import wire
-
+    def _answer_link(self, frames: list[bytearray]) -> list[Any]:
+        """The answer's frames to a request that came by link: an rlgraph client's put or get answered
+        here (`_reply`), any other by TQ's own handler, as over ZMQ."""
         exporter = getattr(self, "_metrics", None)
-        reply = self._reply(request, exporter if exporter is not None else self._perf_monitor())
-        if reply is None or len(reply) != 1:
-            reply = wire.pack(ZMQRequestType.PUT_GET_OPERATION_ERROR, self.storage_unit_id, None, {
-                "message": f"storage unit {self.storage_unit_id}: a link carries only an rlgraph client's puts and "
-                           f"gets"})
-        return reply[0]
+        monitor = exporter if exporter is not None else self._perf_monitor()
+        reply = self._reply(frames[0], monitor) if len(frames) == 1 else None
+        if reply is not None:
+            return reply
+        sent = _Sent()
+        self._process_one_worker_request(_Received(sent, [b"link", *frames]), monitor)  # type: ignore[attr-defined]
+        if not sent.frames:  # TQ's handler answers every request; a link's client must not wait for nothing
+            from transfer_queue.utils.zmq_utils import ZMQRequestType
+
+            from rlgraph.runtime.dataplane import wire
+
+            return wire.pack(ZMQRequestType.PUT_GET_ERROR, self.storage_unit_id, None,
+                             {"message": f"storage unit {self.storage_unit_id} gave no answer"})
+        return sent.frames[1:]  # less the identity TQ's handler puts first
 
     def _perf_monitor(self) -> Any:
         if self._monitor is None:
@@ -206,8 +221,6 @@ class DirectUnit:
     def _reply(self, frame: Any, monitor: Any) -> list[Any] | None:
         """The answer's frames to the request in msgpack `frame`, if it is an rlgraph client's put
         or get (see the module); None, having done nothing, for any other request."""
-        from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
-        from transfer_queue.utils.common import log_heavy_operation
         from transfer_queue.utils.zmq_utils import ZMQRequestType
 
         from rlgraph.runtime.dataplane import wire
@@ -227,34 +240,52 @@ class DirectUnit:
             op = "GET_DATA"
         else:
             return None
+        try:
+            return self._handled(op, body, monitor)
+        except Exception as e:  # what TQ's request loop answers for an error outside its handlers
+            log.error("[%s]: worker error during %s from sender=%s: %s: %s", self.storage_unit_id, op, sender,
+                      type(e).__name__, e)
+            return wire.pack(ZMQRequestType.PUT_GET_ERROR, self.storage_unit_id, None, {
+                "message": f"{self.storage_unit_id}, worker encountered error during operation "
+                           f"{ZMQRequestType(kind)}: {str(e)}."})
+
+    def _handled(self, op: str, body: dict[str, Any], monitor: Any) -> list[Any]:
+        """`_reply` for a put or a get: TQ's counts, timing, storage call, answer and error answers."""
+        from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
+        from transfer_queue.utils.common import log_heavy_operation
+        from transfer_queue.utils.zmq_utils import ZMQRequestType, frame_nbytes
+
+        from rlgraph.runtime.dataplane import wire
+
         self._requests_arrived += 1  # type: ignore[attr-defined]
         arrivals = self._arrivals_by_op  # type: ignore[attr-defined]
         arrivals[op] = arrivals.get(op, 0) + 1
         started = time.perf_counter()
-        try:
-            with monitor.measure(op_type=op):
+        with monitor.measure(op_type=op):  # around the handler, as in TQ's loop: its own errors are the loop's
+            try:
                 if op == "PUT_DATA":
                     self.storage_data.put_data(body["data"], body["global_indexes"])  # type: ignore[attr-defined]
                     answer, out = ZMQRequestType.PUT_DATA_RESPONSE, {}
                 else:
                     data = self.storage_data.get_data(body["fields"], body["global_indexes"])  # type: ignore[attr-defined]
                     answer, out = ZMQRequestType.GET_DATA_RESPONSE, {"data": data}
-        except Exception as e:  # TQ's error answers, word for word
-            if op == "PUT_DATA":
-                answer, out = ZMQRequestType.PUT_ERROR, {
-                    "message": f"Failed to put data into storage unit id #{self.storage_unit_id}, "
-                               f"detail error message: {str(e)}"}
-            else:
-                missing = isinstance(e, StorageKeyNotFoundError)
-                (log.debug if missing else log.error)(
-                    "[%s]: _handle_get error, fields=%s, global_indexes=%s: %s: %s", self.storage_unit_id,
-                    body.get("fields"), body.get("global_indexes"), type(e).__name__, e)
-                answer, out = ZMQRequestType.GET_ERROR, {
-                    "message": f"{f'[{KEY_NOT_FOUND_MARKER}] ' if missing else ''}Failed to get data from storage "
-                               f"unit id #{self.storage_unit_id}, detail error message: {str(e)}"}
+            except Exception as e:  # TQ's handlers' error answers, word for word
+                if op == "PUT_DATA":
+                    answer, out = ZMQRequestType.PUT_ERROR, {
+                        "message": f"Failed to put data into storage unit id #{self.storage_unit_id}, "
+                                   f"detail error message: {str(e)}"}
+                else:
+                    missing = isinstance(e, StorageKeyNotFoundError)
+                    (log.debug if missing else log.error)(
+                        "[%s]: _handle_get error, fields=%s, global_indexes=%s: %s: %s", self.storage_unit_id,
+                        body.get("fields"), body.get("global_indexes"), type(e).__name__, e)
+                    answer, out = ZMQRequestType.GET_ERROR, {
+                        "message": f"{f'[{KEY_NOT_FOUND_MARKER}] ' if missing else ''}Failed to get data from "
+                                   f"storage unit id #{self.storage_unit_id}, detail error message: {str(e)}"}
         reply = wire.pack(answer, self.storage_unit_id, None, out)
         if op == "GET_DATA":
-            log_heavy_operation(self.storage_unit_id, "get", time.perf_counter() - started, sum(map(len, reply)),
+            log_heavy_operation(self.storage_unit_id, "get", time.perf_counter() - started,
+                                sum(frame_nbytes(f) or 0 for f in reply),
                                 f"samples={len(body.get('global_indexes', ()))} fields={list(body.get('fields', ()))}")
         return reply
 

@@ -44,6 +44,7 @@ from transfer_queue.utils import serial_utils
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, ZMQSocketPool, frame_nbytes
 
 from rlgraph.runtime.dataplane import guard, link
+from rlgraph.runtime.dataplane.link import LinkClosed
 from rlgraph.runtime.dataplane.base import DataPlaneDied, DataPlaneError
 
 __all__ = ["SUFFIX", "Wire", "WATCH_S", "decode", "pack", "unpack"]
@@ -101,7 +102,7 @@ def pack(kind: ZMQRequestType, sender_id: str, receiver_id: str | None, body: di
         return [_encoder.encode({"request_type": kind.value, "sender_id": sender_id, "receiver_id": receiver_id,
                                  "request_id": f"{_ID_PREFIX}{next(_ids) & 0xffffffff:08x}",
                                  "timestamp": time.time(), "body": body})]
-    except TypeError:  # a tensor or another object TQ's encoder has a hook for
+    except (TypeError, OverflowError, ValueError):  # a tensor or another object TQ's encoder has a hook for
         return ZMQMessage.create(request_type=kind, sender_id=sender_id, receiver_id=receiver_id,
                                  body=body).serialize()
 
@@ -163,33 +164,34 @@ class Wire:
                   during: Callable[[], None] | None = None) -> dict[str, ZMQMessage]:
         deadline = time.monotonic() + timeout_s
         framed = {unit: m.serialize() if isinstance(m, ZMQMessage) else m for unit, m in messages.items()}
+        answers: dict[str, ZMQMessage] = {}
+        wait = link.Deadline(deadline, timeout_s, what, lambda: sorted(set(framed) - set(answers)), watch, WATCH_S)
         linked: dict[str, Any] = {}  # unit -> the link connection its request went on, until answered
         try:
             with contextlib.ExitStack() as leases:
                 sockets = {}
-                for unit, frames in framed.items():
-                    if len(frames) == 1 and self._send_by_link(unit, frames[0], linked):
-                        continue
+
+                def by_zmq(unit: str) -> None:
                     sock = leases.enter_context(self._pool.lease(self._units[unit]))
-                    sock.send_multipart(frames, copy=False)
+                    sock.send_multipart(framed[unit], copy=False)
                     sockets[sock] = unit
+
+                for unit in framed:
+                    if not self._send_by_link(unit, framed[unit], linked, wait):
+                        by_zmq(unit)
                 if during is not None:
                     during()
-                answers: dict[str, ZMQMessage] = {}
-                if linked:
-                    wait = link.Deadline(deadline, timeout_s, what, lambda: sorted(set(framed) - set(answers)), watch,
-                                         WATCH_S)
-                    for unit, conn in list(linked.items()):
-                        try:
-                            answers[unit] = decode([link.receive(conn, wait)])
-                        except OSError as e:  # the link broke (its unit died, or is closing): on by ZMQ
-                            self._links.drop(unit, linked.pop(unit), unlink=True)
-                            log.debug("storage unit %s: link broke (%s) while trying to %s; asking by ZMQ", unit, e, what)
-                            sock = leases.enter_context(self._pool.lease(self._units[unit]))
-                            sock.send_multipart(framed[unit], copy=False)
-                            sockets[sock] = unit
-                            continue
-                        self._links.give(unit, linked.pop(unit))
+                for unit, conn in list(linked.items()):
+                    try:
+                        with wait.on(conn):
+                            answer = link.receive(conn, wait)
+                    except OSError as e:  # the link broke (its unit died, or is closing): on by ZMQ
+                        self._links.drop(unit, linked.pop(unit), unlink=True)
+                        log.debug("storage unit %s: link broke (%s) while trying to %s; asking by ZMQ", unit, e, what)
+                        by_zmq(unit)
+                        continue
+                    answers[unit] = decode(answer)
+                    self._links.give(unit, linked.pop(unit))
                 poller = zmq.Poller()
                 for sock in sockets:
                     poller.register(sock, zmq.POLLIN)
@@ -211,18 +213,19 @@ class Wire:
             for unit, conn in linked.items():  # a request unanswered: its late answer must never be read
                 self._links.drop(unit, conn)
 
-    def _send_by_link(self, unit: str, frame: Any, linked: dict[str, Any]) -> bool:
+    def _send_by_link(self, unit: str, frames: list[Any], linked: dict[str, Any], wait: link.Deadline) -> bool:
         """Send `unit` its request over its link, if it has one; False: send it by ZMQ."""
-        conn = self._links.take(unit)
+        conn = self._links.take(unit, within_s=wait.left())
         if conn is None:
             return False
+        linked[unit] = conn  # dropped by the caller if the send does not end well
         try:
-            link.send(conn, frame)
-        except OSError as e:  # the unit went since the connection was made
-            self._links.drop(unit, conn, unlink=True)
+            with wait.on(conn):
+                link.send(conn, frames, wait)
+        except (LinkClosed, BrokenPipeError, ConnectionResetError) as e:  # the unit went since the connection was made
+            self._links.drop(unit, linked.pop(unit), unlink=True)
             log.debug("storage unit %s: link broke (%s); using ZMQ", unit, e)
             return False
-        linked[unit] = conn
         return True
 
     def close(self) -> None:

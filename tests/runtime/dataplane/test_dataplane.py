@@ -338,10 +338,11 @@ def test_a_client_on_the_units_machine_goes_by_their_links_and_one_with_links_of
         for client in (linked, by_zmq):
             out = client.get(p, (5, 0, 1, 2, 3, 4), ["x", "t"])
             assert _same(out["x"], x[[5, 0, 1, 2, 3, 4]]) and out["t"] == list("fabcde")
-        with_link, without = linked._manager._wire()._links, by_zmq._manager._wire()._links
+        with_link, without = linked._manager._wire(), by_zmq._manager._wire()
         # the rows lie on both units (TQ's rule: global index modulo units), each reached by its link
-        assert sorted(with_link._idle) == sorted(linked._manager.unit_ids) and not with_link._unlinked
-        assert not without._idle and without.take(linked._manager.unit_ids[0]) is None
+        assert sorted(with_link._links._idle) == sorted(linked._manager.unit_ids) and not with_link._links._unlinked
+        assert not any(with_link._pool._idle.values())  # no ZMQ socket was leased
+        assert not without._links._idle and any(without._pool._idle.values())  # by ZMQ alone
     finally:
         linked.close()
         by_zmq.close()

@@ -46,17 +46,17 @@ def _deadline(timeout_s: float, watch=None, watch_s: float = 0.2) -> link.Deadli
 def test_a_link_carries_requests_and_answers_and_its_connection_is_reused(listeners):
     addr = _address()
     seen = []
-    listeners(lambda request: seen.append(bytes(request[:3])) or b"re:" + bytes(request), addr=addr)
+    listeners(lambda frames: seen.append(len(frames)) or [b"re:" + bytes(f) for f in frames], addr=addr)
     links = _links(addr)
     try:
         conn = links.take("u")
         assert conn is not None
-        for payload in (b"", b"small", bytes(range(256)) * 20_000):  # empty, short, 5 MB
-            link.send(conn, payload)
-            assert link.receive(conn, _deadline(10)) == b"re:" + payload
+        for frames in ([b""], [b"small"], [bytes(range(256)) * 20_000], [b"a", b"", memoryview(b"bc")], []):
+            link.send(conn, frames, _deadline(10))  # one frame: empty, short, 5 MB; several; none
+            assert link.receive(conn, _deadline(10)) == [b"re:" + bytes(f) for f in frames]
         links.give("u", conn)
         assert links.take("u") is conn  # the idle connection, not a new one
-        assert seen == [b"", b"sma", bytes(range(3))]
+        assert seen == [1, 1, 1, 3, 0]
     finally:
         links.close()
 
@@ -64,10 +64,10 @@ def test_a_link_carries_requests_and_answers_and_its_connection_is_reused(listen
 def test_a_message_half_read_when_a_read_times_out_is_read_on_and_the_wait_watches_meanwhile():
     ours, theirs = socket.socketpair()
     try:
-        link.set_receive_timeout(ours, 0.1)
+        link.set_timeouts(ours, 0.1)
         watched = []
         wait = _deadline(10, watch=lambda: watched.append(1) or [], watch_s=0.1)
-        framed = b"\x05\x00\x00\x00\x00\x00\x00\x00hello"
+        framed = b"\x01\x00\x00\x00" + b"\x05\x00\x00\x00\x00\x00\x00\x00hello"
 
         def slowly():
             theirs.sendall(framed[:10])
@@ -75,7 +75,7 @@ def test_a_message_half_read_when_a_read_times_out_is_read_on_and_the_wait_watch
             theirs.sendall(framed[10:])
 
         threading.Thread(target=slowly).start()
-        assert link.receive(ours, wait) == b"hello"
+        assert link.receive(ours, wait) == [b"hello"]
         assert len(watched) >= 2  # asked each time a read timed out
     finally:
         ours.close()
@@ -84,11 +84,11 @@ def test_a_message_half_read_when_a_read_times_out_is_read_on_and_the_wait_watch
 
 def test_a_wait_ends_at_its_deadline_or_when_watch_names_a_dead_actor(listeners):
     addr = _address()
-    listeners(lambda request: time.sleep(3) or b"late", addr=addr)
+    listeners(lambda frames: time.sleep(3) or [b"late"], addr=addr)
     links = _links(addr)
     try:
         conn = links.take("u")
-        link.send(conn, b"x")
+        link.send(conn, [b"x"])
         t0 = time.monotonic()
         with pytest.raises(DataPlaneError, match=r"timed out after 1s waiting for TransferQueue to get x "
                                                  r"\(no answer from storage units \['u'\]\)"):
@@ -96,7 +96,7 @@ def test_a_wait_ends_at_its_deadline_or_when_watch_names_a_dead_actor(listeners)
         assert time.monotonic() - t0 < 1.5
         links.drop("u", conn)  # its late answer must never be read
         conn = links.take("u")
-        link.send(conn, b"x")
+        link.send(conn, [b"x"])
         with pytest.raises(DataPlaneDied, match="storage unit 0"):
             link.receive(conn, _deadline(10, watch=lambda: ["TransferQueue storage unit 0"]))
         links.drop("u", conn)
@@ -107,7 +107,7 @@ def test_a_wait_ends_at_its_deadline_or_when_watch_names_a_dead_actor(listeners)
 def test_only_a_peer_with_the_run_s_secret_is_linked_either_way(listeners, caplog):
     addr = _address()
     answered = []
-    listeners(lambda request: answered.append(request) or b"", addr=addr)
+    listeners(lambda frames: answered.append(frames) or [b""], addr=addr)
     # a client with another secret: the unit refuses it, and the client goes by ZMQ
     stranger = _links(addr, secret="another-run")
     assert stranger.take("u") is None
@@ -116,8 +116,8 @@ def test_only_a_peer_with_the_run_s_secret_is_linked_either_way(listeners, caplo
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.settimeout(5)
     raw.connect(addr)
-    assert len(raw.recv(64)) == len(b"rlgraph-link-1") + 32  # the unit's hello and nonce
-    raw.sendall(b"rlgraph-link-1" + bytes(32) + b"a request where the proof goes".ljust(32))
+    assert len(raw.recv(64)) == len(link._HELLO) + 32  # the unit's hello and nonce
+    raw.sendall(link._HELLO + bytes(32) + b"a request where the proof goes".ljust(32))
     assert raw.recv(64) == b""  # closed, having sent nothing more
     raw.close()
     assert answered == []
@@ -129,7 +129,7 @@ def test_only_a_peer_with_the_run_s_secret_is_linked_either_way(listeners, caplo
 
     def pose():
         conn, _ = squatter.accept()
-        conn.sendall(b"rlgraph-link-1" + bytes(32))
+        conn.sendall(link._HELLO + bytes(32))
         conn.recv(200)
         conn.sendall(bytes(32))
         time.sleep(0.5)
@@ -145,10 +145,10 @@ def test_only_a_peer_with_the_run_s_secret_is_linked_either_way(listeners, caplo
 
 def test_closing_a_listener_ends_its_connections_at_once(listeners):
     addr = _address()
-    unit = listeners(lambda request: time.sleep(5) or b"", addr=addr)
+    unit = listeners(lambda frames: time.sleep(5) or [b""], addr=addr)
     links = _links(addr, watch_s=1.0)
     conn = links.take("u")
-    link.send(conn, b"x")
+    link.send(conn, [b"x"])
     time.sleep(0.2)
     threading.Timer(0.2, unit.close).start()
     t0 = time.monotonic()
@@ -161,7 +161,7 @@ def test_closing_a_listener_ends_its_connections_at_once(listeners):
 
 def test_a_forked_child_does_not_reuse_its_parent_s_connections(listeners):
     addr = _address()
-    listeners(lambda request: b"ok", addr=addr)
+    listeners(lambda frames: [b"ok"], addr=addr)
     links = _links(addr)
     conn = links.take("u")
     links.give("u", conn)
@@ -169,9 +169,9 @@ def test_a_forked_child_does_not_reuse_its_parent_s_connections(listeners):
     other = links.take("u")
     try:
         assert other is not None and other is not conn
+        assert conn.fileno() == -1  # the parent's connection closed here: the unit sees the child let go
     finally:
         other.close()
-        conn.close()
 
 
 def test_a_wire_sends_by_link_and_a_broken_link_sends_by_zmq_from_then_on(listeners, monkeypatch):
@@ -183,12 +183,12 @@ def test_a_wire_sends_by_link_and_a_broken_link_sends_by_zmq_from_then_on(listen
     unit = _Unit("unit_a")
     calls = []
 
-    def answer(request):
+    def answer(frames):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("a unit that dies while answering")
         return ZMQMessage.create(request_type=ZMQRequestType.GET_DATA_RESPONSE, sender_id="unit_a",
-                                 body={"data": {"x": [b"by link"]}}).serialize()[0]
+                                 body={"data": {"x": [b"by link"]}}).serialize()
 
     listeners(answer, addr=link.address("unit_a", SECRET))
     wire = _wire(unit)
@@ -200,6 +200,60 @@ def test_a_wire_sends_by_link_and_a_broken_link_sends_by_zmq_from_then_on(listen
         assert wire.get({"unit_a": ([8], ["x"])}, timeout_s=10, what="get x") == \
             {"unit_a": {"x": [b"unit_a", bytes([8])]}}
         assert len(calls) == 2
+    finally:
+        wire.close()
+        unit.close()
+
+
+def test_a_proof_is_good_only_for_the_address_it_was_made_for(listeners, caplog):
+    """Each proof covers the unit's address and both nonces: one made for another unit's address (a
+    process relaying between a unit and a client that meant another) is refused."""
+    addr, other = _address(), _address()
+    listeners(lambda frames: [b""], addr=addr)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(addr)
+    with caplog.at_level("WARNING", logger=link.__name__), pytest.raises(link.LinkClosed):
+        link._challenge_as_client(sock, SECRET.encode(), other)
+    sock.close()
+    assert "the client does not know the run's secret" in caplog.text
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(addr)
+    link._challenge_as_client(sock, SECRET.encode(), addr)  # the right address: accepted
+    sock.close()
+
+
+def test_a_wire_never_reads_a_late_answer_as_the_next_request_s(listeners, monkeypatch):
+    """A request that timed out (with a deadline shorter than the watch's second), or whose put's copy
+    raised, leaves its connection closed: the next request gets its own answer."""
+    from tests.runtime.dataplane.test_wire import _Unit, _wire
+
+    monkeypatch.setattr(guard, "installed_secret", lambda: SECRET)
+    unit = _Unit("unit_b")
+
+    def answer(frames):
+        request = ZMQMessage.deserialize(frames)
+        tag = request.body["global_indexes"][0]
+        if tag == 1:
+            time.sleep(1.0)
+        return ZMQMessage.create(request_type=ZMQRequestType.GET_DATA_RESPONSE, sender_id="unit_b",
+                                 body={"data": {"x": [bytes([tag])]}}).serialize()
+
+    listeners(answer, addr=link.address("unit_b", SECRET))
+    wire = _wire(unit)
+    try:
+        with pytest.raises(DataPlaneError, match="timed out after 0s waiting for TransferQueue to get x"):
+            wire.get({"unit_b": ([1], ["x"])}, timeout_s=0.3, what="get x")
+        assert wire.get({"unit_b": ([2], ["x"])}, timeout_s=10, what="get x") == {"unit_b": {"x": [bytes([2])]}}
+
+        def copy_fails():
+            raise RuntimeError("the copy failed")
+
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            wire.put({"unit_b": ([3], {"x": [b"v"]})}, timeout_s=10, what="put x", during=copy_fails)
+        assert wire.get({"unit_b": ([4], ["x"])}, timeout_s=10, what="get x") == {"unit_b": {"x": [bytes([4])]}}
+        assert not wire._links._unlinked  # still by link: nothing broke
     finally:
         wire.close()
         unit.close()

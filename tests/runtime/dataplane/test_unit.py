@@ -203,21 +203,71 @@ def test_an_rlgraph_client_s_put_and_get_are_answered_as_tq_s_handler_answers_th
     assert tq_unit._arrivals_by_op == {"PUT_DATA": 6, "GET_DATA": 6}
 
 
-def test_a_request_by_link_is_answered_as_one_by_zmq_and_only_puts_and_gets_go_that_way(tq_unit):
+def test_a_request_by_link_is_answered_as_one_by_zmq(tq_unit, monkeypatch):
+    """Puts and gets by rlgraph's path; anything else (a clear, a message of several frames) by TQ's own
+    handler, as over ZMQ; an error outside the handlers is answered, as TQ's request loop answers it."""
+    import torch
     from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
     from rlgraph.runtime.dataplane import wire
 
     ours = f"TQ_STORAGE_MANAGER_1{wire.SUFFIX}"
-    put = wire.pack(ZMQRequestType.PUT_DATA, ours, "u", {"global_indexes": [0], "data": {"x": [b"a"]},
-                                                          "data_parser": None})
-    answer = ZMQMessage.deserialize([tq_unit._answer_link(bytearray(put[0]))])
+
+    def by_link(kind, body):
+        frames = ZMQMessage.create(request_type=kind, sender_id=ours, receiver_id="u", body=body).serialize()
+        return ZMQMessage.deserialize(tq_unit._answer_link([bytearray(memoryview(f)) for f in frames]))
+
+    answer = by_link(ZMQRequestType.PUT_DATA, {"global_indexes": [0, 1], "data": {"x": [b"a", b"b"]},
+                                               "data_parser": None})
     assert answer.request_type == ZMQRequestType.PUT_DATA_RESPONSE
-    got = wire.pack(ZMQRequestType.GET_DATA, ours, "u", {"global_indexes": [0], "fields": ["x"]})
-    answer = ZMQMessage.deserialize([tq_unit._answer_link(bytearray(got[0]))])
-    assert answer.request_type == ZMQRequestType.GET_DATA_RESPONSE and answer.body == {"data": {"x": [b"a"]}}
-    clear = wire.pack(ZMQRequestType.CLEAR_DATA, ours, "u", {"global_indexes": [0]})
-    answer = ZMQMessage.deserialize([tq_unit._answer_link(bytearray(clear[0]))])
-    assert answer.request_type == ZMQRequestType.PUT_GET_OPERATION_ERROR
-    assert "a link carries only an rlgraph client's puts and gets" in answer.body["message"]
-    assert tq_unit.storage_data.get_data(["x"], [0]) == {"x": [b"a"]}  # the clear was not done
+    answer = by_link(ZMQRequestType.GET_DATA, {"global_indexes": [1, 0], "fields": ["x"]})
+    assert answer.request_type == ZMQRequestType.GET_DATA_RESPONSE and answer.body == {"data": {"x": [b"b", b"a"]}}
+    # a tensor cell (TQ's own clients put them): the put's message and the get's answer are several frames
+    answer = by_link(ZMQRequestType.PUT_DATA, {"global_indexes": [2], "data": {"t": [torch.arange(3)]},
+                                               "data_parser": None})
+    assert answer.request_type == ZMQRequestType.PUT_DATA_RESPONSE
+    answer = by_link(ZMQRequestType.GET_DATA, {"global_indexes": [2], "fields": ["t"]})
+    assert torch.equal(answer.body["data"]["t"][0], torch.arange(3))
+    answer = by_link(ZMQRequestType.CLEAR_DATA, {"global_indexes": [0]})
+    assert answer.request_type == ZMQRequestType.CLEAR_DATA_RESPONSE
+    assert tq_unit.storage_data.get_data(["x"], [1]) == {"x": [b"b"]}
+    with pytest.raises(Exception):
+        tq_unit.storage_data.get_data(["x"], [0])  # cleared by TQ's handler
+    # an error outside the handlers (here the timing monitor's) is answered, not left unanswered
+
+    class Broken:
+        def measure(self, op_type):
+            raise RuntimeError("the monitor broke")
+
+    monkeypatch.setattr(tq_unit, "_monitor", Broken())
+    answer = by_link(ZMQRequestType.GET_DATA, {"global_indexes": [1], "fields": ["x"]})
+    assert answer.request_type == ZMQRequestType.PUT_GET_ERROR
+    assert answer.body["message"] == (f"{tq_unit.storage_unit_id}, worker encountered error during operation "
+                                      f"ZMQRequestType.GET_DATA: the monitor broke.")
+
+
+def test_a_unit_s_link_answers_by_its_address_and_goes_with_its_shutdown(monkeypatch):
+    """A unit started with the run's secret listens at its link address; its shutdown frees it."""
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from rlgraph.runtime.dataplane import guard, link, wire
+
+    monkeypatch.setattr(guard, "installed_secret", lambda: "unit-test-secret")
+    base = SimpleStorageUnit.__ray_metadata__.modified_class.__ray_actor_class__
+    made = type("HostedStorageUnit", (DirectUnit, base), {})({"total_storage_size": 4, "num_data_storage_units": 1})
+    addr = link.address(made.storage_unit_id, "unit-test-secret")
+    links = link.Links("unit-test-secret", lambda unit: addr, 1.0)
+    try:
+        conn = links.take("u")
+        assert conn is not None
+        link.send(conn, wire.pack(ZMQRequestType.GET_DATA, f"m{wire.SUFFIX}", "u",
+                                  {"global_indexes": [0], "fields": ["x"]}))
+        answer = ZMQMessage.deserialize(link.receive(conn))
+        assert answer.request_type == ZMQRequestType.GET_ERROR  # nothing stored: TQ's "not found" answer
+        links.give("u", conn)
+    finally:
+        made.shutdown()
+        links.close()
+    again = link.Listener(addr, "unit-test-secret", lambda frames: frames, threading.Lock(), "after")  # free again
+    again.close()
