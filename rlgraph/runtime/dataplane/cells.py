@@ -208,28 +208,27 @@ class _Copier:
             self._copies.get().work()
 
 
-_copiers: dict[int, _Copier] = {}  # by pid: a forked child starts its own thread
-_copiers_lock = threading.Lock()
+_the_copier: _Copier | None = None
+_copier_lock = threading.Lock()
 
 
 def _forked() -> None:
-    global _copiers_lock
-    _copiers_lock = threading.Lock()  # one a thread of the parent held at the fork would never be let go
-    _copiers.clear()
+    """A forked child starts its own copier (the parent's thread is not in it) and lock (one a
+    thread of the parent held at the fork would never be let go)."""
+    global _the_copier, _copier_lock
+    _the_copier, _copier_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
 def _copier() -> _Copier:
-    pid = os.getpid()
-    found = _copiers.get(pid)
-    if found is None:
-        with _copiers_lock:
-            found = _copiers.get(pid)
-            if found is None:
-                found = _copiers[pid] = _Copier()
-    return found
+    global _the_copier
+    if _the_copier is None:
+        with _copier_lock:
+            if _the_copier is None:
+                _the_copier = _Copier()
+    return _the_copier
 
 
 @contextlib.contextmanager

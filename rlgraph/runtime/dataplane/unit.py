@@ -16,7 +16,7 @@ protocol, the storage and the handlers are TQ's; only the hop is gone (and the u
 sleep at start-up, which waited for the worker thread).
 
 An rlgraph client's put or get (its cells are bytes: `rlgraph.runtime.dataplane.cells`) is
-answered by `DirectUnit._answer` with what TQ's handler does for it, in one function: the same
+answered by `DirectUnit._reply` with what TQ's handler does for it, in one function: the same
 counts and timings, the same ``StorageUnitData.put_data`` / ``get_data``, the same answer (packed
 by `wire.pack`, without a ``uuid4``), the same error kinds and wording, and the same warning for
 a heavy get. TQ's handler spends ~30 us of Python on a small request (a debug log line formatted
@@ -36,11 +36,13 @@ it holds as the unit's handle, here the controller's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
 import threading
 import time
+import types
 from typing import Any, Iterator
 
 __all__ = ["DirectUnit", "UnitHost", "ENV"]
@@ -87,6 +89,22 @@ class _Received:
 
     def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
         self._socket.send_multipart(frames, copy=copy)
+
+
+@functools.cache
+def _tq() -> Any:
+    """The names of TQ's (and `wire`) a request's answer uses, imported once in the unit's process,
+    not at each request (this module is imported, by Ray's unpickling, before TQ's)."""
+    from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
+    from transfer_queue.utils.common import log_heavy_operation
+    from transfer_queue.utils.zmq_utils import ZMQRequestType, frame_nbytes
+
+    from rlgraph.runtime.dataplane import wire
+
+    return types.SimpleNamespace(KEY_NOT_FOUND_MARKER=KEY_NOT_FOUND_MARKER,
+                                 StorageKeyNotFoundError=StorageKeyNotFoundError,
+                                 log_heavy_operation=log_heavy_operation, ZMQRequestType=ZMQRequestType,
+                                 frame_nbytes=frame_nbytes, wire=wire)
 
 
 class _Sent:
@@ -143,23 +161,24 @@ class DirectUnit:
     def _answer_link(self, frames: list[bytearray]) -> list[Any]:
         """The answer's frames to a request that came by link: an rlgraph client's put or get answered
         here (`_reply`), any other by TQ's own handler, as over ZMQ."""
-        exporter = getattr(self, "_metrics", None)
-        monitor = exporter if exporter is not None else self._perf_monitor()
+        monitor = self._perf_monitor()
         reply = self._reply(frames[0], monitor) if len(frames) == 1 else None
         if reply is not None:
             return reply
         sent = _Sent()
         self._process_one_worker_request(_Received(sent, [b"link", *frames]), monitor)  # type: ignore[attr-defined]
         if not sent.frames:  # TQ's handler answers every request; a link's client must not wait for nothing
-            from transfer_queue.utils.zmq_utils import ZMQRequestType
-
-            from rlgraph.runtime.dataplane import wire
-
-            return wire.pack(ZMQRequestType.PUT_GET_ERROR, self.storage_unit_id, None,
+            tq = _tq()
+            return tq.wire.pack(tq.ZMQRequestType.PUT_GET_ERROR, self.storage_unit_id, None,
                              {"message": f"storage unit {self.storage_unit_id} gave no answer"})
         return sent.frames[1:]  # less the identity TQ's handler puts first
 
     def _perf_monitor(self) -> Any:
+        """What times each request, as in TQ's loop: its metrics exporter where it has one, else a
+        perf monitor of the unit's own."""
+        exporter = getattr(self, "_metrics", None)
+        if exporter is not None:
+            return exporter
         if self._monitor is None:
             from transfer_queue.storage.simple_storage import IntervalPerfMonitor
 
@@ -180,7 +199,6 @@ class DirectUnit:
         front = self.put_get_socket
         poller = zmq.Poller()
         poller.register(front, zmq.POLLIN)
-        monitor = self._perf_monitor()
         while not self._shutdown_event.is_set():
             try:
                 if not poller.poll(1000):  # bounded, so that a shutdown is seen within a second
@@ -193,12 +211,11 @@ class DirectUnit:
                 continue
             if not frames or not bytes(frames[0]).startswith(STORAGE_CLIENT_IDENTITY_PREFIXES):
                 continue  # not a TransferQueue client: dropped, as TQ's proxy drops it
-            exporter = getattr(self, "_metrics", None)
+            monitor = self._perf_monitor()
             try:
                 with self._serve_lock:
-                    if not self._answer(front, frames, exporter if exporter is not None else monitor):
-                        self._process_one_worker_request(_Received(front, frames),  # type: ignore[attr-defined]
-                                                         exporter if exporter is not None else monitor)
+                    if not self._answer(front, frames, monitor):
+                        self._process_one_worker_request(_Received(front, frames), monitor)  # type: ignore[attr-defined]
             except zmq.ContextTerminated:
                 return
             except Exception:  # one request's failure (its client times out naming the unit); the unit serves on
@@ -221,10 +238,8 @@ class DirectUnit:
     def _reply(self, frame: Any, monitor: Any) -> list[Any] | None:
         """The answer's frames to the request in msgpack `frame`, if it is an rlgraph client's put
         or get (see the module); None, having done nothing, for any other request."""
-        from transfer_queue.utils.zmq_utils import ZMQRequestType
-
-        from rlgraph.runtime.dataplane import wire
-
+        tq = _tq()
+        ZMQRequestType, wire = tq.ZMQRequestType, tq.wire
         try:
             request = wire.unpack(frame)
         except Exception:
@@ -251,11 +266,8 @@ class DirectUnit:
 
     def _handled(self, op: str, body: dict[str, Any], monitor: Any) -> list[Any]:
         """`_reply` for a put or a get: TQ's counts, timing, storage call, answer and error answers."""
-        from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
-        from transfer_queue.utils.common import log_heavy_operation
-        from transfer_queue.utils.zmq_utils import ZMQRequestType, frame_nbytes
-
-        from rlgraph.runtime.dataplane import wire
+        tq = _tq()
+        ZMQRequestType, StorageKeyNotFoundError, wire = tq.ZMQRequestType, tq.StorageKeyNotFoundError, tq.wire
 
         self._requests_arrived += 1  # type: ignore[attr-defined]
         arrivals = self._arrivals_by_op  # type: ignore[attr-defined]
@@ -280,13 +292,13 @@ class DirectUnit:
                         "[%s]: _handle_get error, fields=%s, global_indexes=%s: %s: %s", self.storage_unit_id,
                         body.get("fields"), body.get("global_indexes"), type(e).__name__, e)
                     answer, out = ZMQRequestType.GET_ERROR, {
-                        "message": f"{f'[{KEY_NOT_FOUND_MARKER}] ' if missing else ''}Failed to get data from "
+                        "message": f"{f'[{tq.KEY_NOT_FOUND_MARKER}] ' if missing else ''}Failed to get data from "
                                    f"storage unit id #{self.storage_unit_id}, detail error message: {str(e)}"}
         reply = wire.pack(answer, self.storage_unit_id, None, out)
         if op == "GET_DATA":
-            log_heavy_operation(self.storage_unit_id, "get", time.perf_counter() - started,
-                                sum(frame_nbytes(f) or 0 for f in reply),
-                                f"samples={len(body.get('global_indexes', ()))} fields={list(body.get('fields', ()))}")
+            tq.log_heavy_operation(self.storage_unit_id, "get", time.perf_counter() - started,
+                                   sum(tq.frame_nbytes(f) or 0 for f in reply),
+                                   f"samples={len(body.get('global_indexes', ()))} fields={list(body.get('fields', ()))}")
         return reply
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 import zmq
@@ -125,14 +124,7 @@ def test_rlgraph_clients_requests_are_read_without_the_tensordict_walk_and_other
         message_class.deserialize([b""])
 
 
-class _Sent:
-    """A socket that keeps what is sent on it."""
-
-    def __init__(self) -> None:
-        self.frames: list[Any] = []
-
-    def send_multipart(self, frames, copy=False) -> None:
-        self.frames = list(frames)
+_Sent = unit_mod._Sent  # a socket that keeps what is sent on it
 
 
 @pytest.fixture
