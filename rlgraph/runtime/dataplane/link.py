@@ -115,18 +115,28 @@ class Deadline:
     def left(self) -> float:
         return self.at - time.monotonic()
 
-    def lapsed(self, sock: socket.socket) -> None:
-        """A send or a receive timed out: raise if the wait is over, else set the next one's timeout."""
-        from rlgraph.runtime.dataplane.base import DataPlaneDied, DataPlaneError
+    def watched(self) -> None:
+        """Raise `DataPlaneDied` if `watch` names a dead plane actor."""
+        from rlgraph.runtime.dataplane.base import DataPlaneDied
 
         if self.watch is not None:
             dead = self.watch()
             if dead:
                 raise DataPlaneDied(dead, f"waiting for TransferQueue to {self.what}")
+
+    def timed_out(self) -> None:
+        """Raise the wait's timeout error, naming the units not yet answered."""
+        from rlgraph.runtime.dataplane.base import DataPlaneError
+
+        raise DataPlaneError(f"timed out after {self.timeout_s:.0f}s waiting for TransferQueue to {self.what} "
+                             f"(no answer from storage units {self.units()})")
+
+    def lapsed(self, sock: socket.socket) -> None:
+        """A send or a receive timed out: raise if the wait is over, else set the next one's timeout."""
+        self.watched()
         left = self.left()
         if left <= 0:
-            raise DataPlaneError(f"timed out after {self.timeout_s:.0f}s waiting for TransferQueue to {self.what} "
-                                 f"(no answer from storage units {self.units()})")
+            self.timed_out()
         set_timeouts(sock, min(left, self.watch_s))
 
     @contextlib.contextmanager

@@ -48,7 +48,7 @@ from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, ZMQSocket
 
 from rlgraph.runtime.dataplane import guard, link
 from rlgraph.runtime.dataplane.link import LinkClosed
-from rlgraph.runtime.dataplane.base import DataPlaneDied, DataPlaneError
+from rlgraph.runtime.dataplane.base import DataPlaneError
 
 __all__ = ["SUFFIX", "Wire", "WATCH_S", "decode", "pack", "unpack"]
 
@@ -198,19 +198,16 @@ class Wire:
                 poller = zmq.Poller()
                 for sock in sockets:
                     poller.register(sock, zmq.POLLIN)
-                while len(answers) < len(framed):
-                    left = deadline - time.monotonic()
+                while len(answers) < len(framed):  # the ZMQ answers, under the same deadline and watch
+                    left = wait.left()
                     if left <= 0:
-                        raise DataPlaneError(f"timed out after {timeout_s:.0f}s waiting for TransferQueue to {what} "
-                                             f"(no answer from storage units {sorted(set(framed) - set(answers))})")
+                        wait.timed_out()
                     ready = dict(poller.poll(1000 * min(left, WATCH_S if watch is not None else left)))
                     for sock in ready:
                         answers[sockets[sock]] = decode(sock.recv_multipart(copy=False))
                         poller.unregister(sock)
-                    if not ready and watch is not None:
-                        dead = watch()
-                        if dead:
-                            raise DataPlaneDied(dead, f"waiting for TransferQueue to {what}")
+                    if not ready:
+                        wait.watched()
                 return answers
         finally:
             for unit, conn in linked.items():  # a request unanswered: its late answer must never be read
