@@ -328,15 +328,18 @@ class _Loop:
         asked every `WATCH_S` meanwhile, and a death ends the wait with `DataPlaneDied`."""
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
         while True:
-            try:
-                return fut.result(timeout=WATCH_S if watch is not None else None)
-            except concurrent.futures.TimeoutError:
-                dead = watch() if watch is not None else []
-                if dead:
-                    fut.cancel()
-                    raise DataPlaneDied(dead, f"waiting for TransferQueue to {what}") from None
-            except asyncio.TimeoutError:
-                raise DataPlaneError(f"timed out after {timeout}s waiting for TransferQueue to {what}") from None
+            # asked whether it is done, not timed out of `result`: since Python 3.11 the future's own
+            # TimeoutError (the coroutine ran past `timeout`) and a wait's are the same class
+            done, _ = concurrent.futures.wait([fut], timeout=WATCH_S if watch is not None else None)
+            if done:
+                try:
+                    return fut.result()
+                except asyncio.TimeoutError:
+                    raise DataPlaneError(f"timed out after {timeout}s waiting for TransferQueue to {what}") from None
+            dead = watch() if watch is not None else []
+            if dead:
+                fut.cancel()
+                raise DataPlaneDied(dead, f"waiting for TransferQueue to {what}") from None
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

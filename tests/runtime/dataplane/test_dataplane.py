@@ -63,6 +63,31 @@ def test_data_plane_error_is_an_rlgraph_error():
     assert issubclass(DataPlaneError, RLGraphError)
 
 
+@pytest.mark.timeout(60)
+def test_a_request_past_its_timeout_raises_rather_than_spinning():
+    """The driver's TransferQueue requests wait on their event loop's thread: one whose coroutine
+    runs past its timeout raises, naming what it waited for (since Python 3.11 the coroutine's
+    TimeoutError is the class a wait's own timeout raises, and was once taken for "not done yet")."""
+    import asyncio
+
+    from rlgraph.runtime.dataplane.base import DataPlaneDied
+    from rlgraph.runtime.dataplane.tq import _Loop
+
+    loop = _Loop("test_loop")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DataPlaneError, match=r"timed out after 0.2s waiting for TransferQueue to clear x"):
+            loop.run(asyncio.sleep(30), 0.2, "clear x")
+        with pytest.raises(DataPlaneError, match=r"timed out after 0.2s"):
+            loop.run(asyncio.sleep(30), 0.2, "clear x", watch=lambda: [])
+        assert time.monotonic() - t0 < 10
+        assert loop.run(asyncio.sleep(0, result=5), 5, "x") == 5
+        with pytest.raises(DataPlaneDied, match="unit 0"):  # a dead actor ends the wait before the timeout
+            loop.run(asyncio.sleep(30), 30, "clear x", watch=lambda: ["unit 0"])
+    finally:
+        loop.stop()
+
+
 def test_tq_resource_problems_names_what_is_missing():
     assert tq_resource_problems(2, available_cpus=8, node_cpus={"a" * 20: 8}) == []
     (problem,) = tq_resource_problems(3, available_cpus=2, node_cpus={"n" * 20: 8})  # 6 CPUs held by others
