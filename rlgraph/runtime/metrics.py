@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from rlgraph.runtime.trace import Span
-from rlgraph.runtime.rundir import write_atomic
+from rlgraph.runtime.rundir import fsync, write_atomic
 
 if TYPE_CHECKING:
     from rlgraph.graph.plan import Plan
@@ -182,9 +181,12 @@ def step_record(lv: LiveStep, plan: Plan, schedule: str, idle: IdleClock | None 
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl``, each line flushed and fsynced; on
-    resume keeps the steps <= k only (a line cut short by a kill or a full disk is dropped, with a
-    warning)."""
+    """Appends one JSON object per step to ``metrics.jsonl``, each line flushed (a killed run loses no
+    line it wrote) and made durable by `sync`, which the runner calls before each checkpoint and at
+    the run's end: the lines a resume keeps (steps up to its checkpoint) are on disk before that
+    checkpoint is, without an fsync on every step's path (0.5-0.7 ms of the driver's time a step
+    here). On resume keeps the steps <= k only (a line cut short by a kill or a full disk is
+    dropped, with a warning)."""
 
     def __init__(self, path: Path, resume_after: int | None = None) -> None:
         self.path = path
@@ -196,8 +198,10 @@ class MetricsWriter:
     def write(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+
+    def sync(self) -> None:
+        """Make every line written so far durable."""
+        fsync(self.path)
 
 
 def read_metrics(path: Path, warn: bool = False) -> list[dict[str, Any]]:

@@ -134,6 +134,7 @@ class Runner:
             error = e
             raise
         finally:
+            writer.sync()
             self.reporter.close(error)
             ahead = f", up to {self.depth - 1} steps in flight" if self.depth > 2 else ""
             write_run_charts(out, self.plan.pipeline, self.headline, self.all_spans, f"{self.schedule} schedule{ahead}")
@@ -163,6 +164,7 @@ class Runner:
         self.reporter.step_done(record)
         if self.save_every and (step + 1) % self.save_every == 0:
             self.reporter.checkpoint(step)  # a resume starts after it: the trackers must have it all
+            writer.sync()  # and metrics.jsonl's lines up to it are on disk before it is
             states = self.fleet.states()
             states[VERSIONS] = self.weights.checkpoint_entry()  # versions later steps still read
             write_checkpoint(out, step, states, self.plan, keep=self.keep)

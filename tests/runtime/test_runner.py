@@ -264,6 +264,22 @@ def test_a_damaged_checkpoint_is_refused_and_fallback_resumes_from_the_good_one(
     assert (ckpts / "step_2.damaged").is_dir()
 
 
+def test_metrics_lines_are_on_disk_before_each_checkpoint_and_at_the_end_not_at_every_step(tq_plane, tmp_path,
+                                                                                             monkeypatch):
+    """metrics.jsonl is fsynced before each checkpoint (a resume keeps its lines up to that
+    checkpoint) and at the run's end, not on every step's path."""
+    from rlgraph.runtime import metrics, runner
+
+    events = []
+    checkpoint = runner.write_checkpoint
+    monkeypatch.setattr(metrics, "fsync", lambda path: events.append(
+        ("fsync", Path(path).name, [json.loads(line)["step"] for line in Path(path).read_text().splitlines()])))
+    monkeypatch.setattr(runner, "write_checkpoint", lambda out, step, *a, **k: (
+        events.append(("checkpoint", step)), checkpoint(out, step, *a, **k))[1])
+    _run(_plan(*PADDED, "trainer.save_every=2"), tmp_path, tq_plane, steps=3)
+    assert events == [("fsync", "metrics.jsonl", [0, 1]), ("checkpoint", 1), ("fsync", "metrics.jsonl", [0, 1, 2])]
+
+
 @pytest.mark.slow
 def test_resume_with_another_config_is_refused(tq_plane, tmp_path):
     from rlgraph.runtime.checkpoint import CheckpointError
