@@ -24,6 +24,7 @@ hang for good.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 import multiprocessing
@@ -100,6 +101,10 @@ def _child_score(ref: str, kwargs: dict[str, Any]) -> Any:
 # to a thread costs more than a rule-based check: a 512-sample call of the addition task cost
 # 1.4 ms on eight threads with two locks a sample, where its scoring takes 0.2 ms.
 RUN_BUDGET_S = 0.002
+
+# a process pool's sample is waited for in slices of this long, asking between them whether its pool
+# broke (`_settles`)
+POOL_CHECK_S = 0.5
 
 
 class _Batch:
@@ -190,6 +195,16 @@ class _ThreadPool:
             if started.pop(i, None) is None:  # given up on: its result is the caller's timeout
                 return False
             results[i] = (res[0], res[1], clock() - t0)
+
+
+def _settles(future: Any, pool: Any) -> bool:
+    """Wait for a pool task's `future`; False when its pool broke first and left it unsettled: pebble
+    settles the tasks it had started when its pool breaks (every process killed at once, its fork
+    server with them), not those still in its queue, which would be waited for without end."""
+    while not concurrent.futures.wait([future], timeout=POOL_CHECK_S).done:
+        if not pool.active:
+            return bool(concurrent.futures.wait([future], timeout=0).done)  # settled as it broke
+    return True
 
 
 def _unpacked(raw: Sequence[tuple[str, Any, float]]) -> tuple[list[Any], list[float]]:
@@ -423,6 +438,8 @@ class RewardScorer:
             again = []
             for i, f in futures:
                 try:
+                    if not _settles(f, pool):
+                        raise BrokenProcessPool("the scoring pool broke before it started this sample")
                     out[i] = ("ok", f.result(), time.monotonic() - t0)
                     continue
                 except FutureTimeout:

@@ -219,6 +219,42 @@ def test_a_pool_whose_processes_were_killed_between_calls_is_replaced():
         s.close()
 
 
+@pytest.mark.timeout(60)
+def test_samples_a_broken_pool_never_started_are_scored_again_on_a_new_pool(monkeypatch):
+    """pebble settles the tasks it had started when its pool breaks, not those still in its queue:
+    those are scored again on a new pool instead of being waited for without end (it happened when
+    the pool's processes and fork server were killed at once: the call hung to the step's timeout)."""
+    from concurrent.futures import Future
+
+    from rlgraph.ops.reward import scorer as scorer_mod
+
+    class Broken:  # a pool that takes the samples and breaks before starting any of them
+        active = True
+
+        def schedule(self, fn, args=(), timeout=None):
+            self.active = False
+            return Future()  # never settled, as pebble leaves a queued task of a broken pool
+
+        def stop(self):
+            pass
+
+        def join(self, timeout=None):
+            pass
+
+    monkeypatch.setattr(scorer_mod, "POOL_CHECK_S", 0.05, raising=False)
+    s = RewardScorer(f"{FNS}:slow", executor="process", concurrency=2)
+    try:
+        clean = [(o.score, o.error) for o in _score(s, GT[:4])]
+        s._discard_pool()
+        s._pool = Broken()
+        t0 = time.monotonic()
+        out = _score(s, GT[:4])
+        assert time.monotonic() - t0 < 30
+        assert [(o.score, o.error) for o in out] == clean and s.restarted == 4
+    finally:
+        s.close()
+
+
 def test_a_function_that_kills_its_process_every_time_becomes_an_error_after_the_restarts():
     s = RewardScorer(f"{FNS}:crash_on_odd", executor="process", concurrency=2, process_restarts=1)
     try:
