@@ -301,16 +301,48 @@ class _Signalled(KeyboardInterrupt):
 _received: list[int] = []  # the stop signals this process received, in order
 
 
+SIGNAL_DEFER_S = 5.0  # the longest a stop signal that lands inside an import waits for the import to end
+
+
 def _interrupt_on_signals() -> None:
     """Ctrl-C and SIGTERM stop a run cleanly (KeyboardInterrupt unwinds and shuts everything down),
-    also when the process was started with SIGINT ignored, as background jobs and CI runners are."""
+    also when the process was started with SIGINT ignored, as background jobs and CI runners are.
+    A first signal that lands while the main thread imports a module is raised once the import is
+    done (`_after_import`): raised inside it, a module that catches every exception around its own
+    imports swallowed it, the run went on to its end, and the module was left half imported."""
 
     def interrupt(signum, frame):
         _received.append(int(signum))  # a library may re-raise it as a plain KeyboardInterrupt (Ray's get does)
+        if len(_received) == 1 and _importing(frame):
+            import threading
+
+            threading.Thread(target=_after_import, args=(int(signum),), name="rlgraph_signal", daemon=True).start()
+            return
         raise _Signalled(signum)
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def _importing(frame: Any) -> bool:
+    """Whether `frame` (the main thread's) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _after_import(signum: int) -> None:
+    """Send `signum` to the main thread again once it imports nothing (at most `SIGNAL_DEFER_S` later):
+    its handler, called a second time, raises it."""
+    import _thread
+    import threading
+
+    main, end = threading.main_thread().ident, time.monotonic() + SIGNAL_DEFER_S
+    while time.monotonic() < end and _importing(sys._current_frames().get(main)):
+        time.sleep(0.01)
+    _thread.interrupt_main(signum)
 
 
 def _stopped_by(e: BaseException) -> int | None:

@@ -47,6 +47,28 @@ def test_sigterm_during_start_up_exits_143_with_one_line(tmp_path, after_s):
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
+def test_a_sigterm_inside_an_import_that_swallows_exceptions_still_stops_the_run(tmp_path):
+    """A signal that lands while a module imports (here the pipeline's own, which catches every
+    exception around a wait, as some libraries do around their imports) is raised once the import is
+    done: exit 143 with one line, not a run that goes on to its end with the signal swallowed."""
+    pipeline = tmp_path / "swallowing_pipeline.py"
+    pipeline.write_text(
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(Path(PIPELINE).parent)!r})\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(1.0)\n"
+        "except BaseException:\n"
+        "    pass\n"
+        "from tensor_pipeline import pipeline  # noqa: E402\n")
+    proc = subprocess.run([RLGRAPH, "run", str(pipeline), "-o", str(tmp_path / "run"), "--steps", "2"], env=_env(),
+                          capture_output=True, text=True, timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 143, output
+    assert output.strip().splitlines()[-1] == "interrupted by SIGTERM: everything this run had started was shut down"
+    assert "ran 2 step(s)" not in output and "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_run_then_ctrl_c_stops_everything_it_started(tmp_path, sig):
     out = tmp_path / "run"
