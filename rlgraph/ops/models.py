@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 from rlgraph.errors import RLGraphError
 from rlgraph.imports import cache_dir, write_json
+from rlgraph.ops.assets import build_once  # noqa: F401  # re-exported: pipelines' prepare hooks use it here
 
 __all__ = [
     "build_once",
@@ -76,26 +76,6 @@ CHAT_TEMPLATE = (
 
 class ModelLoadError(RLGraphError, FileNotFoundError):
     """A model or tokenizer path is missing, not a Hugging Face directory, or not loadable."""
-
-
-def build_once(path: str | Path, build: Callable[[Path], None]) -> Path:
-    """Make `path` (``~`` expanded) by calling ``build(tmp)`` once: a no-op when `path` already holds a
-    model (``config.json``); a file lock keeps parallel runs from racing; `build` writes into
-    ``<path>.partial``, renamed to `path` only when complete."""
-    out = Path(path).expanduser()
-    if (out / "config.json").is_file():
-        return out
-    from filelock import FileLock
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if (out / "config.json").is_file():  # another run made it while we waited
-            return out
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build(tmp)
-        tmp.rename(out)
-    return out
 
 
 def char_tokenizer(chars: str = DEFAULT_CHARS, padding_side: Literal["left", "right"] = "left") -> Any:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from rlgraph.ops.data.tasks import make_rows, sft_examples
-from rlgraph.ops.models import build_once, build_tiny_model, sft_warmstart
+from rlgraph.ops.assets import build_once
 
 __all__ = ["prepare_tiny_policy", "evaluate"]
 
@@ -24,6 +24,8 @@ def prepare_tiny_policy(model_path: str, task: str, sft_steps: int, seed: int = 
     """Make `model_path` a tiny policy warmed up on `task` (no-op if a model is already there)."""
 
     def build(tmp: Path) -> None:
+        from rlgraph.ops.models import build_tiny_model, sft_warmstart  # torch: only when the model is made
+
         start = time.time()
         build_tiny_model(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
         if sft_steps > 0:

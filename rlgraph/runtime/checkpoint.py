@@ -32,15 +32,14 @@ import json
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
-
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from rlgraph.errors import RLGraphError
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.rundir import checkpoint_steps, fsync
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CheckpointError", "save_state", "load_state", "latest_checkpoint", "read_meta", "CHECKPOINT_FORMAT",
            "write_checkpoint", "read_checkpoint", "checkpoint_step", "check_compatible", "has_state",
@@ -66,6 +65,8 @@ class CheckpointDamaged(CheckpointError):
 
 
 def _split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    import torch  # here, not at the top: the driver starts the workers before it imports torch (actor)
+
     if isinstance(obj, torch.Tensor):
         key = path or "value"
         tensors[key] = obj.detach().cpu().contiguous()
@@ -117,6 +118,8 @@ def save_state(state: Any, directory: Path, name: str) -> None:
             tensors[k] = t.clone()
         seen.add(ptr)
     if tensors:
+        from safetensors.torch import save_file
+
         save_file(tensors, str(directory / f"{name}.safetensors"))
     (directory / f"{name}.json").write_text(json.dumps(skeleton, sort_keys=True))
 
@@ -143,6 +146,8 @@ def load_state(directory: Path, name: str) -> Any:
     st = directory / f"{name}.safetensors"
     tensors: dict[str, torch.Tensor] = {}
     if st.is_file():
+        from safetensors.torch import load_file
+
         try:
             tensors = load_file(str(st))
         except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on bad files
@@ -193,6 +198,8 @@ def load_part(directory: Path, name: str, path: Sequence[str]) -> Any:
     tensors: dict[str, torch.Tensor] = {}
     if keys:
         st = directory / f"{name}.safetensors"
+        from safetensors import safe_open
+
         try:
             with safe_open(str(st), framework="pt") as f:
                 tensors = {k: f.get_tensor(k) for k in keys}

@@ -30,7 +30,7 @@ from rlgraph.errors import RLGraphError, StepTimeout
 from rlgraph.graph.plan import Plan
 from rlgraph.graph.settings import DataplaneSettings
 from rlgraph.runtime.cluster import RayHandle, alive_nodes, check_cluster, check_lost_nodes, start_ray
-from rlgraph.runtime.dataplane.base import DataPlaneDied, dead_actors
+from rlgraph.runtime.dataplane.errors import DataPlaneDied, dead_actors
 from rlgraph.runtime.scheduler import Call, StepScheduler, row_homes
 
 __all__ = ["Fleet", "PLANE", "SOURCE"]
@@ -86,7 +86,8 @@ class Fleet:
         self.initial_source_state: Any = None
         self._pgs: dict[str, Any] = {}  # pool -> placement group
         self._plane_job: concurrent.futures.Future | None = None  # the data plane starting beside the workers
-        self._starter: concurrent.futures.ThreadPoolExecutor | None = None  # runs `_plane_job`
+        self._checking: concurrent.futures.Future | None = None  # the caller's `checks`, beside the workers' start
+        self._starter: concurrent.futures.ThreadPoolExecutor | None = None  # runs `_plane_job` and `_checking`
         self._read_ahead: dict[str, tuple[str, ...]] | None = None  # op -> columns (`read_ahead`), made once
         self._ahead_pending: dict[str, list[tuple[str, str, tuple[int, ...], tuple[str, ...]]]] = {}  # group -> reads
         self._ahead_refs: list[Any] = []  # the read-aheads sent whose results were not read yet
@@ -132,6 +133,7 @@ class Fleet:
             if self._starter is not None:
                 self._starter.shutdown(wait=True)  # on a failure too: close() then stops what it started
                 self._starter = None
+            self._checking = None
         self.started = True
         heap.freeze()  # the driver's imports, plan and handles: out of the collector's full collections
 
@@ -148,20 +150,23 @@ class Fleet:
             strategy = RAY_STRATEGY[pool.placement]  # PACK and SPREAD are best effort, STRICT_SPREAD is not
             self._pgs[pool.name] = placement_group(bundles, strategy=strategy, name=f"rlgraph-{pool.name}")
         # the actors are submitted at once (Ray places them when their group is ready), then the plane's
-        # start on a thread and the caller's checks here: this process's imports would otherwise hold
-        # back the submissions, and a failed check is reported before any wait
+        # start and the caller's checks on threads: this process's imports (torch for the plane, the
+        # tokenizer for the checks) would otherwise hold back the submissions, and the workers' setup
+        # (`_submit_setups`) would wait for the checks. A failed check is raised by the first wait
+        # that follows it (`_watched_wait`), at the latest before the wait for the models
         own_plane = self.plane is None
         handle = None if own_plane else self.plane.handle()  # None: they connect once the plane is up
         for g in self.plan.groups:
             self._create_group(g.name, handle)
         if not own_plane or not self._hosts_source():  # else the plane's start makes it
             self._create_source(handle)
-        if own_plane:
-            self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlgraph_plane")
-            self._plane_job = self._starter.submit(self._timed_plane_start)
         checks, self._checks = self._checks, None
-        if checks is not None:  # beside the actors' start; a failure stops them (close)
-            checks()
+        if own_plane or checks is not None:
+            self._starter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rlgraph_start")
+        if own_plane:
+            self._plane_job = self._starter.submit(self._timed_plane_start)
+        if checks is not None:  # a failure stops the start (close)
+            self._checking = self._starter.submit(checks)
         for pool, pg in self._pgs.items():
             try:
                 ray.get(pg.ready(), timeout=self.timeout_s)
@@ -176,6 +181,9 @@ class Fleet:
                        f"data source {where} ({time.time() - t0:.1f}s)")
         t0 = time.time()
         setups = self._submit_setups(names, meet)
+        checking, self._checking = self._checking, None
+        if checking is not None:
+            checking.result()  # its own imports and reads only: no wait of its own to bound
         if self._plane_job is not None:  # the workers connect (on their control thread) while they load models
             self._plane_job.result(timeout=self.timeout_s + 180)  # its own waits have timeouts; this is a backstop
             self._plane_job = None
@@ -226,7 +234,7 @@ class Fleet:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlgraph.runtime.worker import READ_AHEAD, FaultInjectingWorker, GroupWorker
+        from rlgraph.runtime.actor import READ_AHEAD, actor_class
 
         g = self.plan.group(name)
         share = sum(1 for x in self.plan.groups if x.pool == g.pool)  # colocated groups time-share bundles
@@ -235,7 +243,7 @@ class Fleet:
             # CONTROL: a second thread, for state imports that must not wait for the running call;
             # READ_AHEAD: a third, for reads ahead of a call (`GroupWorker.read_ahead`)
             ray.remote(concurrency_groups={CONTROL: 1, READ_AHEAD: 1})(
-                FaultInjectingWorker if self._inject_faults else GroupWorker).options(
+                actor_class("FaultInjectingWorker" if self._inject_faults else "GroupWorker")).options(
                 num_cpus=max(bundle[r].num_cpus, 0.01) / share,
                 num_gpus=bundle[r].num_gpus / share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -541,6 +549,9 @@ class Fleet:
         while True:
             left = deadline - time.monotonic()
             ready, rest = ray.wait(waitables, num_returns=num, timeout=max(0.0, min(WATCH_S, left)))
+            checking = self._checking  # the start's checks (`_start_workers`): a failure ends the start now
+            if checking is not None and checking.done() and checking.exception() is not None:
+                raise checking.exception()  # type: ignore[misc]
             if len(ready) >= num or left <= WATCH_S:
                 return ready, rest
             dead = self.plane_dead()
@@ -624,14 +635,14 @@ class Fleet:
 
     def read_ahead(self, partition: str, sched: StepScheduler, ops: set[str] | None) -> None:
         """Plan reads ahead for the step just admitted (`sched`; `ops`: its ops, None: all): the
-        worker of each op that reads only the source's columns (`worker.read_ahead_ops`) is to read
+        worker of each op that reads only the source's columns (`actor.read_ahead_ops`) is to read
         them for the op's call while it runs the call before it. The read is sent with the next call
         this fleet sends that worker (`submit`): in a synchronous step the update, which generation
         then waits for; sent at once, it would share the worker with the generation still running.
         Only where the rank is known now (a group of one rank, `StepScheduler.single_rank_rows`);
         nothing is waited for."""
         if self._read_ahead is None:
-            from rlgraph.runtime.worker import read_ahead_ops
+            from rlgraph.runtime.actor import read_ahead_ops
 
             self._read_ahead = read_ahead_ops(self.plan)
         for op, columns in self._read_ahead.items():
@@ -644,7 +655,7 @@ class Fleet:
         worker, but the one for this very call (it reads for itself)."""
         import ray
 
-        from rlgraph.runtime.worker import READ_AHEAD
+        from rlgraph.runtime.actor import READ_AHEAD
 
         pending = self._ahead_pending.pop(group, None)
         if not pending:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlgraph.errors import InvariantError, RLGraphError, WorkerDiedError
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.checkpoint import checkpoint_step, has_state, latest_checkpoint, read_checkpoint, verify_checkpoint
-from rlgraph.runtime.dataplane.base import DataPlaneDied
+from rlgraph.runtime.dataplane.errors import DataPlaneDied
 from rlgraph.runtime.fleet import PLANE, SOURCE, Fleet
 from rlgraph.runtime.scheduler import Call, Repair, repair_for
 from rlgraph.runtime.step import LiveStep, StepKey

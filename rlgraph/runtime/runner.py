@@ -27,7 +27,7 @@ from rlgraph.graph.plan import Plan
 from rlgraph.graph.settings import TrainerSettings
 from rlgraph.runtime import admission
 from rlgraph.runtime.checkpoint import check_compatible, resume_checkpoint, write_checkpoint
-from rlgraph.runtime.dataplane.base import DataPlaneDied
+from rlgraph.runtime.dataplane.errors import DataPlaneDied
 from rlgraph.runtime.fleet import PLANE, Fleet
 from rlgraph.runtime.metrics import IdleClock, MetricsWriter, step_record
 from rlgraph.runtime.options import RunOptions
@@ -37,12 +37,11 @@ from rlgraph.runtime.refill import Refiller
 from rlgraph.runtime.reporter import Reporter
 from rlgraph.runtime.rundir import check_run_dir
 from rlgraph.runtime.scheduler import Call, Slots
-from rlgraph.runtime.source import preflight
 from rlgraph.runtime.step import VALIDATE, LiveStep, StepKey, describe_inflight
 from rlgraph.runtime.trace import Span
 from rlgraph.runtime.weights import VERSIONS, WeightMover
 from rlgraph.runtime.window import Window
-from rlgraph.runtime.worker import PartResult
+from rlgraph.runtime.actor import PartResult
 
 __all__ = ["Fault", "RunOptions", "Runner", "StepTimeout", "WorkerDiedError", "run_plan", "prepare"]
 
@@ -333,6 +332,8 @@ def prepare(plan: Plan, check: bool = True) -> None:
     if plan.prepare:
         resolve_impl(plan.prepare, plan.prepare_file)[0](plan.config)
     if check:
+        from rlgraph.runtime.source import preflight  # imports torch: not before the workers' start (actor)
+
         preflight(plan)
 
 

@@ -32,34 +32,13 @@ from rlgraph.rows import Rows, joined, tensors
 from rlgraph.runtime.dataplane import assemble_rows, count_locality, counted_apart, locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
-from rlgraph.runtime.trace import Compact, Span
+from rlgraph.runtime.actor import READ_AHEAD, CallResult, PartResult, read_ahead_ops  # noqa: F401  # re-exported
+from rlgraph.runtime.trace import Span
 
 __all__ = ["CallResult", "GroupWorker", "PartResult", "READ_AHEAD", "read_ahead_ops"]
 
-READ_AHEAD = "read_ahead"  # the worker actors' concurrency group for reads ahead of a call (`GroupWorker.read_ahead`)
 _READ_AHEAD_KEEP = 4  # partitions whose read-ahead a worker holds at most (a fifth drops the oldest)
 _READ_AHEAD_WAIT_S = 60.0  # a call waits this long at most for a read-ahead still running, then reads itself
-
-
-@dataclass
-class PartResult:
-    """What a streaming call reports for each part as soon as it is in the data plane."""
-
-    rows: tuple[int, ...]  # the step's row ids whose outputs were just put
-    summaries: dict[str, dict[int, float]] = field(default_factory=dict)
-
-
-@dataclass
-class CallResult(Compact):
-    """What a worker returns for one call: small by construction."""
-
-    span: Span
-    metrics: list[dict[str, Any]] = field(default_factory=list)  # metric columns the op produced, per chunk
-    # the pipeline's summarised columns: column -> row -> the row's sum (real rows only; a float per row)
-    summaries: dict[str, dict[int, float]] = field(default_factory=dict)
-    batch_values: dict[str, Any] = field(default_factory=dict)  # batch-level data outputs
-    dropped: dict[int, tuple[str, bool]] = field(default_factory=dict)  # row -> (reason, whole group?)
-    fused: list[CallResult] = field(default_factory=list)  # the results of the ops fused into this call, in order
 
 
 def _moved_since(before: tuple[int, int]) -> dict[str, int]:
@@ -93,26 +72,6 @@ def local_columns(plan: Plan, group: str) -> tuple[frozenset[str], frozenset[str
 
     private = frozenset(c for c in kept if inside_chain(c) or (alone and set(plan.columns[c].consumers) <= ops))
     return kept, private
-
-
-def read_ahead_ops(plan: Plan) -> dict[str, tuple[str, ...]]:
-    """The ops whose first call of a step the driver has their worker read ahead for, with the
-    columns it reads (`GroupWorker.read_ahead`): an op that reads only the data source's columns
-    (so its inputs exist once the step is admitted) and leads its calls, on a group of one rank (so
-    the rank is known before the call is made); the columns are the source's that it and the ops
-    fused into it read. None with dynamic sampling (its batches are assembled from rounds)."""
-    if plan.refill is not None:
-        return {}
-    source = set(plan.source_columns)
-    out: dict[str, tuple[str, ...]] = {}
-    for op in plan.ops:
-        sample = [c for c in op.inputs if plan.columns[c].level == "sample"]
-        if op.fused_into or plan.group(op.group).dp != 1 or not sample or not set(sample) <= source:
-            continue
-        cols = [c for name in (op.name, *plan.followers(op.name)) for c in plan.op(name).inputs
-                if c in source and plan.columns[c].level == "sample" and plan.columns[c].stored]
-        out[op.name] = tuple(dict.fromkeys(cols))
-    return out
 
 
 @dataclass

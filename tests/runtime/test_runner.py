@@ -306,16 +306,16 @@ def test_generation_takes_its_inputs_from_a_read_ahead_and_the_results_stay_the_
     """One actor rank: the driver has it read the next step's prompts while it runs the update (sent with the
     update's call); gen's calls from step 1 on take their rows from that read (trace.json says so), and the
     run's results equal those of a run whose calls read for themselves."""
-    from rlgraph.runtime import worker
+    from rlgraph.runtime import actor
 
     plan = _plan()
-    assert worker.read_ahead_ops(plan) == {"gen": ("x",)}
+    assert actor.read_ahead_ops(plan) == {"gen": ("x",)}
     ahead = _run(plan, tmp_path / "ahead", tq_plane, steps=3)
     calls = [e for e in json.loads((tmp_path / "ahead" / "trace.json").read_text())["traceEvents"]
              if e["ph"] == "X" and e["name"] == "gen"]
     # gen runs one call per group of rows on its one rank: each takes its rows of the read
     assert len(calls) > 3 and all(e["args"].get("read_ahead", 0) == (e["args"]["step"] > 0) for e in calls)
-    monkeypatch.setattr(worker, "read_ahead_ops", lambda plan: {})
+    monkeypatch.setattr(actor, "read_ahead_ops", lambda plan: {})  # where the fleet reads it
     plain = _run(plan, tmp_path / "plain", tq_plane, steps=3)
     assert not any(e["args"].get("read_ahead") for e in json.loads((tmp_path / "plain" / "trace.json").read_text())
                    ["traceEvents"] if e["ph"] == "X")
