@@ -39,6 +39,7 @@ SOURCE = "source"  # the data source's name in `dead()` and in checkpoint states
 CONTROL = "control"  # the worker actors' concurrency group for imports during a call
 PLANE = "data plane"  # the data plane's name among the dead (`rlgraph.runtime.runner`)
 WATCH_S = 1.0  # a wait asks this often whether a data-plane actor died
+CHECK_POLL_S = 0.1  # and this often whether the start's checks failed, while they run
 SAY_WAIT_S = 10.0  # a wait longer than this is logged, with what it waits for
 WORKER_CLOSE_S = 15.0  # closing waits this long for the workers to close their worker classes
 PG_REMOVE_S = 5.0  # closing waits this long for Ray to remove the placement groups
@@ -152,8 +153,9 @@ class Fleet:
         # the actors are submitted at once (Ray places them when their group is ready), then the plane's
         # start and the caller's checks on threads: this process's imports (torch for the plane, the
         # tokenizer for the checks) would otherwise hold back the submissions, and the workers' setup
-        # (`_submit_setups`) would wait for the checks. A failed check is raised by the first wait
-        # that follows it (`_watched_wait`), at the latest before the wait for the models
+        # (`_submit_setups`) would wait for the checks. A failed check is raised by the wait it fails
+        # during (`_watched_wait` asks every `CHECK_POLL_S` while it runs), and the workers count as
+        # started only once the checks are done
         own_plane = self.plane is None
         handle = None if own_plane else self.plane.handle()  # None: they connect once the plane is up
         for g in self.plan.groups:
@@ -175,15 +177,15 @@ class Fleet:
                                   f"Ray's free resources now: {ray.available_resources()}") from None
         names = list(self.workers)
         meet = self._rendezvous(names)
+        setups = self._submit_setups(names, meet)  # not held back by the checks: the workers load meanwhile
+        checking, self._checking = self._checking, None
+        if checking is not None:  # done before the workers count as started
+            checking.result()  # its own imports and reads only: no wait of its own to bound
         actors = sum(len(ws) for ws in self.workers.values())
         where = "in the data plane's controller" if self._hosts_source() else "on its own"
         self._on_phase(f"workers: {actors} actor(s) in {len(names)} group(s) on {len(self._pgs)} pool(s), the "
                        f"data source {where} ({time.time() - t0:.1f}s)")
         t0 = time.time()
-        setups = self._submit_setups(names, meet)
-        checking, self._checking = self._checking, None
-        if checking is not None:
-            checking.result()  # its own imports and reads only: no wait of its own to bound
         if self._plane_job is not None:  # the workers connect (on their control thread) while they load models
             self._plane_job.result(timeout=self.timeout_s + 180)  # its own waits have timeouts; this is a backstop
             self._plane_job = None
@@ -540,23 +542,27 @@ class Fleet:
     def _watched_wait(self, waitables: list[Any], num: int, what: Any) -> tuple[list[Any], list[Any]]:
         """``ray.wait`` for `num` of `waitables` up to the run's timeout, asking every `WATCH_S`
         whether a data-plane actor died (`DataPlaneDied`: a call blocked on it would wait its own
-        timeout, minutes, and a dead plane answers nothing). A wait longer than `SAY_WAIT_S` is
-        logged once, naming what it waits for."""
+        timeout, minutes, and a dead plane answers nothing), and during the start every
+        `CHECK_POLL_S` whether the caller's checks failed (their error, raised at once). A wait
+        longer than `SAY_WAIT_S` is logged once, naming what it waits for."""
         import ray
 
         start = time.monotonic()
-        deadline, said = start + self.timeout_s, False
+        deadline, said, watch = start + self.timeout_s, False, start + WATCH_S
         while True:
             left = deadline - time.monotonic()
-            ready, rest = ray.wait(waitables, num_returns=num, timeout=max(0.0, min(WATCH_S, left)))
+            poll = WATCH_S if self._checking is None else CHECK_POLL_S
+            ready, rest = ray.wait(waitables, num_returns=num, timeout=max(0.0, min(poll, left)))
             checking = self._checking  # the start's checks (`_start_workers`): a failure ends the start now
             if checking is not None and checking.done() and checking.exception() is not None:
                 raise checking.exception()  # type: ignore[misc]
-            if len(ready) >= num or left <= WATCH_S:
+            if len(ready) >= num or left <= poll:
                 return ready, rest
-            dead = self.plane_dead()
-            if dead:
-                raise DataPlaneDied(dead, f"waiting for {what() if callable(what) else what}")
+            if time.monotonic() >= watch:
+                watch = time.monotonic() + WATCH_S
+                dead = self.plane_dead()
+                if dead:
+                    raise DataPlaneDied(dead, f"waiting for {what() if callable(what) else what}")
             if not said and time.monotonic() - start > SAY_WAIT_S:
                 said = True
                 log.info("still waiting after %.0fs (timeout %gs) for %s", time.monotonic() - start, self.timeout_s,

@@ -117,16 +117,16 @@ def test_run_reports_a_failing_op_and_exits_1(tmp_path):
     assert "Traceback (most recent call last)" not in res.stderr.split("Error:")[0]
 
 
-def test_run_reports_a_missing_prompt_file_before_it_waits_for_the_models(tmp_path):
+def test_run_reports_a_missing_prompt_file_before_it_waits_for_the_workers(tmp_path):
     """The source's preflight runs on a thread beside the workers' start (`Fleet._start_workers`): its
-    error still stops the run, with exit 1, before the workers' models are waited for."""
+    error still stops the run, with exit 1, before the workers count as started."""
     missing = tmp_path / "nope.parquet"
     res = subprocess.run([RLGRAPH, "run", str(Path(__file__).parents[2] / "examples" / "grpo.py"), "-o",
                           str(tmp_path / "run"), "--steps", "2", f"data.path={missing}"], env=_env(),
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 1, res.stdout + res.stderr
     assert f"Error: prompt file {str(missing)!r} does not exist" in res.stderr
-    assert "model load" not in res.stderr and "running steps" not in res.stderr, res.stderr
+    assert "rlgraph: workers:" not in res.stderr and "model load" not in res.stderr, res.stderr
 
 
 @pytest.mark.slow

@@ -336,5 +336,3 @@ class DataPlane(DataPlaneClient):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
