@@ -12,13 +12,15 @@ worker's name, so the actor's process is ``ray::GroupWorker`` as before.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.trace import Compact, Span
 
-__all__ = ["CallResult", "PartResult", "READ_AHEAD", "STREAMS", "WORKER_METHODS", "actor_class", "read_ahead_ops"]
+__all__ = ["CallResult", "PartResult", "READ_AHEAD", "STREAMS", "WORKERS", "WORKER_METHODS", "actor_class",
+           "read_ahead_ops"]
 
 READ_AHEAD = "read_ahead"  # the worker actors' concurrency group for reads ahead of a call (`GroupWorker.read_ahead`)
 
@@ -30,7 +32,7 @@ WORKER_METHODS = (
     "load_instance_states", "has_instance_state", "ping", "close",
 )
 STREAMS = ("run_chunk_stream",)
-_IMPLS = {"GroupWorker": "rlgraph.runtime.worker", "FaultInjectingWorker": "rlgraph.runtime.worker"}
+WORKERS = ("GroupWorker", "FaultInjectingWorker")  # the worker classes of `rlgraph.runtime.worker` an actor runs
 
 
 @dataclass
@@ -106,13 +108,12 @@ def _stream(name: str) -> Any:
 for _name in WORKER_METHODS:
     setattr(_Actor, _name, (_stream if _name in STREAMS else _call)(_name))
 
-_classes: dict[str, type] = {}
 
-
+@functools.cache  # one class per name
 def actor_class(name: str = "GroupWorker") -> type:
-    """The class to give ``ray.remote`` for worker class `name` (``GroupWorker``, or
+    """The class to give ``ray.remote`` for worker class `name` (one of `WORKERS`: ``GroupWorker``, or
     ``FaultInjectingWorker`` for runs given faults): named as it, so its process is ``ray::<name>``."""
-    if name not in _classes:
-        _classes[name] = type(name, (_Actor,), {"_impl": f"{_IMPLS[name]}:{name}", "__module__": __name__,
-                                                "__qualname__": name})
-    return _classes[name]
+    if name not in WORKERS:
+        raise ValueError(f"no worker class {name!r}; one of {WORKERS}")
+    return type(name, (_Actor,), {"_impl": f"rlgraph.runtime.worker:{name}", "__module__": __name__,
+                                  "__qualname__": name})

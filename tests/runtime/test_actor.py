@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlgraph.runtime import actor
-from rlgraph.runtime.actor import STREAMS, WORKER_METHODS, actor_class
+from rlgraph.runtime.actor import STREAMS, WORKER_METHODS, WORKERS, actor_class
 from rlgraph.runtime.worker import FaultInjectingWorker, GroupWorker
 
 ROOT = Path(__file__).parents[2]
@@ -32,7 +32,7 @@ def test_the_actor_class_has_every_method_of_the_worker_and_streams_where_it_str
 def test_the_actor_class_is_named_as_its_worker():
     """So the actor's process is ``ray::GroupWorker`` (``ray::FaultInjectingWorker``), as users and the
     reliability tests look for it."""
-    for name in ("GroupWorker", "FaultInjectingWorker"):
+    for name in WORKERS:
         cls = actor_class(name)
         assert cls.__name__ == cls.__qualname__ == name and cls is actor_class(name)
         assert cls._impl == f"rlgraph.runtime.worker:{name}"
