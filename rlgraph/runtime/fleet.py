@@ -628,6 +628,13 @@ class Fleet:
                 if len(pending) >= FORGET_BATCH:
                     self._forget_now(key, w)
 
+    def clear_all(self, partitions: list[str]) -> None:
+        """`clear` each of `partitions` in turn, taking it off the list (what is left, should one fail,
+        is what a failure's `clear_failed` still clears)."""
+        while partitions:
+            self.clear(partitions[0])
+            partitions.pop(0)
+
     def _forget_now(self, key: Any, worker: Any) -> None:
         for partition in self._forget_pending.pop(key, []):
             try:

@@ -69,6 +69,7 @@ class Runner:
         self._heads: dict[int, dict[str, Any]] = {}  # step -> its headline metrics, to check a replay against
         self._run_start = self._next = 0  # _next: the first step not written yet (earlier ones are replays)
         self._last_end = 0.0  # when the latest training step ended
+        self._ended: list[str] = []  # partitions of steps that ended, cleared by the event loop (`_events`)
         self.slots = Slots(plan)
         self.idle = IdleClock()
         self.refiller = Refiller(self) if plan.refill is not None else None
@@ -234,14 +235,16 @@ class Runner:
         begun = admission.begin(self, key, partition, ops, uid_start, reads)
         return begun if isinstance(begun, LiveStep) else admission.admitted(self, begun)
 
-    def _events(self, live: dict[StepKey, LiveStep], admit_more: Callable[[dict[StepKey, LiveStep], dict[Any, Any]],
-                                                                          None],
+    def _events(self, live: dict[StepKey, LiveStep], admit_more: Callable[[dict[StepKey, LiveStep], dict], None],
                 on_done: Callable[[LiveStep], None]) -> None:
         """The event loop: admit steps, open the cross-step gates, hand out calls, take results in,
         and finish steps in order. A failure that needs a restore abandons every step in flight."""
         import ray
 
         inflight: dict[Any, Any] = {}  # waitable -> (step key, Call), ("sync", column, group) or ("admit", Admission)
+        # an ended step's partition is cleared once the calls after the next wait are out: the call after the
+        # step overlaps the next admission, the clear the call after that (docs/performance.md, section 12)
+        clear_now: list[str] = []
         try:
             while True:
                 admit_more(live, inflight)
@@ -249,17 +252,19 @@ class Runner:
                 for key in sorted(live):  # the oldest step first
                     for call in live[key].sched.next_calls():
                         self._submit(call, live[key], inflight)
+                self.fleet.clear_all(clear_now)
                 finished = list(self.window.pop_done())
                 for key in finished:
                     on_done(self._finished(live.pop(key)))
                 if finished:
                     continue
                 if not live and not admission.pending(inflight):
-                    return
+                    return self.fleet.clear_all(self._ended)
                 pending = lambda: {str(lv.key): lv.sched.unfinished() for lv in live.values()}  # noqa: E731
                 if not inflight:
                     raise StepTimeout(f"steps {sorted(lv.step for lv in live.values())} cannot make progress: "
                                       f"nothing is running and nothing is ready; pending: {pending()}")
+                clear_now, self._ended = self._ended, []
                 done = self.fleet.wait(list(inflight), what=lambda: ", ".join(describe_inflight(inflight)))
                 if not done:
                     raise StepTimeout(f"no op call finished within {self.opts.timeout_s:g}s; running: "
@@ -293,17 +298,17 @@ class Runner:
                                 self.weights.produced(op, lv.step)
         except BaseException as e:
             if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
-                self.fleet.clear_failed([lv.partition for lv in live.values()]
+                self.fleet.clear_failed(clear_now + self._ended + [lv.partition for lv in live.values()]
                                         + [a.partition for a in admission.pending(inflight)], e)
             self._abandon()
             raise
 
     def _finished(self, lv: LiveStep) -> LiveStep:
-        """Step `lv` ended: stamp it, clear its partition, forget weights no later step reads."""
+        """Step `lv` ended: stamp it, have its partition cleared (`_ended`), forget weights no later step reads."""
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
         if not lv.keep:
-            self.fleet.clear(lv.partition)
+            self._ended.append(lv.partition)
         lv.t1, lv.bytes1 = time.time(), payload_bytes_in_this_process()
         if lv.training:  # its time: from the later of its admission and the end of the step before it
             lv.t0, self._last_end = max(lv.t0, self._last_end), lv.t1
@@ -312,6 +317,7 @@ class Runner:
 
     def _abandon(self) -> None:
         """Forget every step in flight (their calls may still run; their partitions are gone)."""
+        self._ended = []
         self.window.clear()
         self.slots = Slots(self.plan)
         self.weights.abandon()

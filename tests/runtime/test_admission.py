@@ -54,3 +54,24 @@ def test_a_source_failing_on_a_later_step_stops_the_run_and_leaves_no_partition(
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0]  # step 2's batch failed while step 1 ran: step 0 was written, step 1 abandoned
     assert _partitions(tq_plane) <= before  # the failed step's partition, and every other, cleared
+
+
+def test_an_ended_step_s_partition_is_cleared_after_a_call_of_the_next_and_none_is_left(tq_plane, tmp_path):
+    """The clear waits for the calls out after the next wait (`Runner._events`): the next step's first
+    call overlaps the next admission only (its partition and the source's call), and the clear
+    overlaps a call of its own."""
+    plan = _plan("trainer.steps=4")
+    before = _partitions(tq_plane)
+    events = []
+    with Runner(plan, RunOptions(out_dir=tmp_path, timeout_s=60), tq_plane) as runner:
+        produce, submit, clear = runner.fleet.produce, runner.fleet.submit, runner.fleet.clear
+        runner.fleet.produce = lambda partition, *a: events.append(("produce", partition)) or produce(partition, *a)
+        runner.fleet.submit = lambda call, step, *a, **kw: events.append(("submit", step)) or submit(call, step, *a, **kw)
+        runner.fleet.clear = lambda partition: events.append(("clear", partition)) or clear(partition)
+        records = runner.run()
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [e[1] for e in events if e[0] == "clear"] == ["train_0", "train_1", "train_2", "train_3"]
+    for step in (0, 1):  # cleared once a call of the step after it and the admission of the one after that were out
+        before_clear = events[:events.index(("clear", f"train_{step}"))]
+        assert ("submit", step + 1) in before_clear and ("produce", f"train_{step + 2}") in before_clear, events
+    assert _partitions(tq_plane) <= before
