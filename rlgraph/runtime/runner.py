@@ -242,8 +242,7 @@ class Runner:
         import ray
 
         inflight: dict[Any, Any] = {}  # waitable -> (step key, Call), ("sync", column, group) or ("admit", Admission)
-        # an ended step's partition is cleared once the calls after the next wait are out: the call after the
-        # step overlaps the next admission, the clear the call after that (docs/performance.md, section 12)
+        # an ended step's partition is cleared once the calls after the next wait are out (performance.md, 12)
         clear_now: list[str] = []
         try:
             while True:
@@ -259,7 +258,8 @@ class Runner:
                 if finished:
                     continue
                 if not live and not admission.pending(inflight):
-                    return self.fleet.clear_all(self._ended)
+                    self.fleet.clear_all(self._ended)
+                    return
                 pending = lambda: {str(lv.key): lv.sched.unfinished() for lv in live.values()}  # noqa: E731
                 if not inflight:
                     raise StepTimeout(f"steps {sorted(lv.step for lv in live.values())} cannot make progress: "
