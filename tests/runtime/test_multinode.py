@@ -24,8 +24,11 @@ ROOT = Path(__file__).parents[2]
 GRPO = str(ROOT / "examples" / "grpo_reward_pool.py")  # its reward pool spreads over the nodes
 NODE_CPUS = 3
 # three reward workers of half a CPU each, one per node; everything else packed
+# the actor's torch threads set, so that both runs compute with one: on one node the update is otherwise
+# lent the idle reward workers' CPUs (`graph.place.lent_threads`), and a sum split over two threads
+# rounds differently on some CPUs (pg_loss -0.0091843928 against -0.0091843729 at step 1 on one)
 SPREAD = ["cluster.num_nodes=3", f"cluster.cpus_per_node={NODE_CPUS}", "groups.reward.dp=3",
-          "groups.reward.num_cpus=0.5"]
+          "groups.reward.num_cpus=0.5", "groups.actor.torch_threads=1"]
 STABLE = ("score/mean", "reward/mean", "response_length/mean", "samples/real", "samples/padding",
           "update_actor/actor_metrics/pg_loss", "update_actor/actor_metrics/grad_norm")
 pytestmark = pytest.mark.ray  # each test is slow or faults (the markers are disjoint)
@@ -83,7 +86,7 @@ def test_three_nodes_give_the_metrics_of_one(three_nodes, tmp_path):
     assert "Connecting to existing Ray cluster" not in text  # quiet by default with --address too
 
     one = _start(tmp_path / "one", "cluster.num_nodes=1", f"cluster.cpus_per_node={3 * NODE_CPUS}",
-                 "groups.reward.dp=3", "groups.reward.num_cpus=0.5")
+                 "groups.reward.dp=3", "groups.reward.num_cpus=0.5", "groups.actor.torch_threads=1")
     text, _ = one.communicate(timeout=600)
     assert one.returncode == 0, text
     assert len(json.loads((tmp_path / "one" / "placement.json").read_text())["nodes"]) == 1
