@@ -69,7 +69,6 @@ class Runner:
         self._heads: dict[int, dict[str, Any]] = {}  # step -> its headline metrics, to check a replay against
         self._run_start = self._next = 0  # _next: the first step not written yet (earlier ones are replays)
         self._last_end = 0.0  # when the latest training step ended
-        self._ended: list[str] = []  # partitions of steps that ended, cleared by the event loop (`_events`)
         self.slots = Slots(plan)
         self.idle = IdleClock()
         self.refiller = Refiller(self) if plan.refill is not None else None
@@ -243,6 +242,7 @@ class Runner:
 
         inflight: dict[Any, Any] = {}  # waitable -> (step key, Call), ("sync", column, group) or ("admit", Admission)
         # an ended step's partition is cleared once the calls after the next wait are out (performance.md, 12)
+        ended: list[str] = []  # since the last wait
         clear_now: list[str] = []
         try:
             while True:
@@ -254,17 +254,20 @@ class Runner:
                 self.fleet.clear_all(clear_now)
                 finished = list(self.window.pop_done())
                 for key in finished:
-                    on_done(self._finished(live.pop(key)))
+                    lv = live.pop(key)
+                    if not lv.keep:
+                        ended.append(lv.partition)
+                    on_done(self._finished(lv))
                 if finished:
                     continue
                 if not live and not admission.pending(inflight):
-                    self.fleet.clear_all(self._ended)
+                    self.fleet.clear_all(ended)
                     return
                 pending = lambda: {str(lv.key): lv.sched.unfinished() for lv in live.values()}  # noqa: E731
                 if not inflight:
                     raise StepTimeout(f"steps {sorted(lv.step for lv in live.values())} cannot make progress: "
                                       f"nothing is running and nothing is ready; pending: {pending()}")
-                clear_now, self._ended = self._ended, []
+                clear_now, ended = ended, []
                 done = self.fleet.wait(list(inflight), what=lambda: ", ".join(describe_inflight(inflight)))
                 if not done:
                     raise StepTimeout(f"no op call finished within {self.opts.timeout_s:g}s; running: "
@@ -298,17 +301,15 @@ class Runner:
                                 self.weights.produced(op, lv.step)
         except BaseException as e:
             if not plane_lost(e):  # a dead plane has nothing to clear, and answers nothing
-                self.fleet.clear_failed(clear_now + self._ended + [lv.partition for lv in live.values()]
+                self.fleet.clear_failed(clear_now + ended + [lv.partition for lv in live.values()]
                                         + [a.partition for a in admission.pending(inflight)], e)
             self._abandon()
             raise
 
     def _finished(self, lv: LiveStep) -> LiveStep:
-        """Step `lv` ended: stamp it, have its partition cleared (`_ended`), forget weights no later step reads."""
+        """Step `lv` ended (the event loop clears its partition): stamp it, forget weights no later step reads."""
         from rlgraph.runtime.dataplane import payload_bytes_in_this_process
 
-        if not lv.keep:
-            self._ended.append(lv.partition)
         lv.t1, lv.bytes1 = time.time(), payload_bytes_in_this_process()
         if lv.training:  # its time: from the later of its admission and the end of the step before it
             lv.t0, self._last_end = max(lv.t0, self._last_end), lv.t1
@@ -317,7 +318,6 @@ class Runner:
 
     def _abandon(self) -> None:
         """Forget every step in flight (their calls may still run; their partitions are gone)."""
-        self._ended = []
         self.window.clear()
         self.slots = Slots(self.plan)
         self.weights.abandon()
