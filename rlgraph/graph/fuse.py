@@ -21,7 +21,15 @@ An op F follows leader L (``OpPlan.fused_into``) when all of these hold:
   not a barrier, not streaming, not one call per rank, drops no rows and is not part of dynamic
   sampling's rounds; the state it reads (the policy's weights for ``old_logprob``), L reads too,
   with the same lag (and not a partial-rollout L, which may switch weights mid-call), so the
-  version L's call was given is the one F must see;
+  version L's call was given is the one F must see, and no op before F in the chain writes it;
+- or F *closes* the chain: a barrier, an op with mini-batches or one that writes state (the
+  update), which does not stream, drop rows, run one call per rank or belong to dynamic
+  sampling's rounds, after a leader that makes one call per step (one call per rank, on a group
+  of one rank). Its one chunk is then the leader's, every row of the step, as unfused; it runs
+  after the rollout ops on the same worker, which in a synchronous step is exactly when the
+  driver would have sent it, less the hand-off. A failed call whose chain writes state is
+  restored from a checkpoint, not run again (`rlgraph.runtime.scheduler.repair_for`), as a
+  failed update always was;
 - L is not a barrier, drops no rows, is not part of dynamic sampling's rounds, and either runs
   one call per rank (``per_rank``: then F comes right after it on that rank anyway) or nothing
   on another pool reads its outputs. (A leader of many chunks feeding another pool keeps its
@@ -60,8 +68,10 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
     leader_of: dict[str, str] = {}  # op -> its chain's leader (a leader is its own)
     chain_reads: dict[str, set[str]] = {}  # leader -> the columns its chain's ops read (ready at its call's start)
     out: dict[str, str] = {}
+    writes_state: dict[str, set[str]] = {}  # leader -> the state columns its chain's followers write
     for f in sorted(ops, key=lambda o: o.stage):  # producers come in earlier stages
-        if not _pure(f, columns, rounds):
+        closes = not _pure(f, columns, rounds)
+        if closes and not _may_close(f, rounds):
             continue
         producers = {columns[c].producer for c in f.inputs if c not in source}
         if not producers or any(p not in by_name for p in producers):
@@ -74,6 +84,10 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
             continue
         if lead.name not in leader_of and not _can_lead(lead, columns, pool_of, by_name, rounds):
             continue
+        if closes and not _one_call_per_step(lead):
+            continue
+        if set(f.state_inputs) & writes_state.get(lead.name, set()):
+            continue  # it would see the value this step's call just wrote, not the one before it
         if f.mode == "group" and not _whole_groups(lead, group_size):
             continue
         if any(columns[c].level != "sample" for c in f.inputs):
@@ -86,6 +100,7 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
         leader_of[f.name] = lead.name
         chain_reads.setdefault(lead.name, set(lead.inputs)).update(f.inputs)
         out[f.name] = lead.name
+        writes_state.setdefault(lead.name, set()).update(c for c in f.outputs if columns[c].kind == "state")
     return out
 
 
@@ -117,6 +132,17 @@ def _pure(f: OpPlan, columns: Mapping[str, ColumnPlan], rounds: set[str]) -> boo
     return not (f.drops or f.streams or f.mode == "barrier" or f.name in rounds or f.batching.per_rank
                 or f.batching.mini_batch_samples is not None
                 or any(columns[c].kind == "state" for c in f.outputs))
+
+
+def _may_close(f: OpPlan, rounds: set[str]) -> bool:
+    """F, not a forward pass (`_pure`), may still end a chain whose leader makes one call per step."""
+    return not (f.drops or f.streams or f.name in rounds or f.batching.per_rank)
+
+
+def _one_call_per_step(lead: OpPlan) -> bool:
+    """`lead` makes one call per step: one per rank, on a group of one rank (so its chain's one chunk
+    holds every row of the step, what a barrier follower needs)."""
+    return lead.batching.per_rank and lead.batching.dp == 1
 
 
 def _can_lead(lead: OpPlan, columns: Mapping[str, ColumnPlan], pool_of: Mapping[str, str],

@@ -652,6 +652,9 @@ class Fleet:
         them for the op's call while it runs the call before it. The read is sent with the next call
         this fleet sends that worker (`submit`): in a synchronous step the update, which generation
         then waits for; sent at once, it would share the worker with the generation still running.
+        A worker whose group is sent no call but the op's own (the update closing generation's
+        fused chain, `rlgraph.graph.fuse`) reads for itself: sent beside the step before's call, the
+        read slowed that call's generation by ~4 ms on 16 x 8, more than its 2.2 ms get.
         Only where the rank is known now (a group of one rank, `StepScheduler.single_rank_rows`);
         nothing is waited for."""
         if self._read_ahead is None:

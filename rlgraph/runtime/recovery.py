@@ -146,7 +146,8 @@ class Recovery:
                                 f"{step} ({_chunks(call)}, {len(call.rows)} rows): {first_line(e)} "
                                 f"(its log is under /tmp/ray/session_latest/logs)")
         self.count(step, e)
-        action = repair_for(self.plan, call.chunk.op, died, self.fleet.stateful[call.group])
+        action = repair_for(self.plan, call.chunk.op, died, self.fleet.stateful[call.group],
+                            [name for name, _ in call.fused])
         what = (f"worker {call.group}[{call.rank}] died" if died else
                 f"op {call.chunk.op!r} failed on {call.group}[{call.rank}] ({first_line(e)})")
         if action is Repair.RESTORE:

@@ -222,13 +222,15 @@ class Repair(enum.Enum):
     RESTORE = "restore"  # restore every worker from the latest checkpoint and replay the steps since
 
 
-def repair_for(plan: Plan, op_name: str, died: bool, stateful: bool) -> Repair:
-    """The cheapest exact repair of a failed call of `op_name`. `died`: its worker's process
-    ended; `stateful`: its group keeps state beyond a call (models, optimizers, state columns)."""
-    op = plan.op(op_name)
-    # an update (or any call that may have changed worker state before failing) cannot simply run again
-    changes_state = (any(plan.columns[c].kind == "state" for c in op.outputs)
-                     or op.batching.mini_batch_samples is not None or (op.mode == "barrier" and stateful))
+def repair_for(plan: Plan, op_name: str, died: bool, stateful: bool, fused: Sequence[str] = ()) -> Repair:
+    """The cheapest exact repair of a failed call of `op_name` (with the ops `fused` into it). `died`:
+    its worker's process ended; `stateful`: its group keeps state beyond a call (models, optimizers,
+    state columns)."""
+    # an update (or any call that may have changed worker state before failing) cannot simply run again;
+    # nor can a call that carries one (`rlgraph.graph.fuse`: the update closing generation's chain)
+    changes_state = any(any(plan.columns[c].kind == "state" for c in op.outputs)
+                        or op.batching.mini_batch_samples is not None or (op.mode == "barrier" and stateful)
+                        for op in map(plan.op, (op_name, *fused)))
     if died:
         return Repair.RESTORE if stateful else Repair.RESTART_GROUP
     return Repair.RESTORE if changes_state else Repair.RERUN

@@ -47,14 +47,18 @@ def test_a_rollout_group_of_its_own_fuses_only_what_runs_on_it():
     assert _fused(plan) == {"reward": "generate", "advantage": "generate"}
 
 
-def test_examples_grpo_runs_its_whole_rollout_in_generation_s_calls():
-    # every op on the policy's group: the reward, the reference and the advantage ride in generation's
-    # calls; the update (a barrier that writes the weights) is dispatched on its own
+def test_examples_grpo_runs_its_whole_step_in_generation_s_calls():
+    # every op on the policy's group, one rank: the reward, the reference and the advantage ride in
+    # generation's calls, and the update (a barrier that writes the weights) closes the chain, since
+    # generation makes one call per step there
     pipeline, _ = load_pipeline("examples/grpo.py")
     plan = compile(pipeline)
     assert {g.name for g in plan.groups} == {"actor"}
-    assert _fused(plan) == {"reward": "generate", "ref": "generate", "advantage": "generate"}
-    assert plan.followers("generate") == ["reward", "ref", "advantage"]
+    assert _fused(plan) == {"reward": "generate", "ref": "generate", "advantage": "generate",
+                            "update_actor": "generate"}
+    assert plan.followers("generate") == ["reward", "ref", "advantage", "update_actor"]
+    # two actor ranks: generation makes a call per rank, the update (every row) is dispatched on its own
+    assert "update_actor" not in _fused(compile(pipeline, ["groups.actor.dp=2"]))
 
 
 def test_dynamic_sampling_s_rounds_are_not_fused():
@@ -234,3 +238,50 @@ def test_a_follower_reading_a_source_column_is_fused_at_run_time_too():
             sched.call_done(c)
     assert {c.chunk.op for c in calls} == {"a"}
     assert all([name for name, _ in c.fused] == ["b", "d"] for c in calls)
+
+
+@op(outputs={"w": T.float32().state(), "m": T.json().metric()}, group="g", granularity="batch")
+def upd_a(a_out: T.float32(L)):
+    return {"w": torch.tensor(0.0), "m": {}}
+
+
+@op(outputs={"w": T.float32().state(), "m": T.json().metric()}, group="g", granularity="batch")
+def upd_b(b_out: T.float32(L)):
+    return {"w": torch.tensor(0.0), "m": {}}
+
+
+@op(outputs={"a_out": T.float32(L)}, group="g", granularity="group", batching=Batching(per_rank=True))
+def a_per_rank_reads_w(x: T.float32(L), w: T.float32().state()):
+    return {"a_out": x}
+
+
+@op(outputs={"b_out": T.float32(L)}, group="g")
+def b_after_upd(a_out: T.float32(L), w: T.float32().state()):
+    return {"b_out": a_out}
+
+
+def test_an_update_closes_a_chain_whose_leader_makes_one_call_per_step():
+    # a per-rank leader on a group of one rank: one call per step, so the update (a barrier that writes
+    # state, on every row) runs in it, after the forward passes
+    plan = _plan(a_per_rank, b, upd_b)
+    assert _fused(plan) == {"b": "a_per_rank", "upd_b": "a_per_rank"}
+    from rlgraph.runtime.scheduler import StepScheduler
+
+    sched = StepScheduler(plan, [0, 1, 2, 3], [False] * 4, 0, schedule="sync")
+    (call,) = sched.next_calls()  # the step is one call; the update's one chunk holds every row
+    assert [(name, [ch.rows for ch in chunks]) for name, chunks in call.fused] == [
+        ("b", [(0, 1, 2), (3,)]), ("upd_b", [(0, 1, 2, 3)])]
+    assert sched.call_done(call) and sched.finished
+    # a leader of several calls per step (micro-batches of 2 rows), or on two ranks: the update waits for
+    # all of them and is dispatched on its own
+    assert _fused(_plan(a, b, upd_b)) == {"b": "a"}
+    assert _fused(compile(_pipeline(a_per_rank, b, upd_b), ["groups.g.dp=2"])) == {"b": "a_per_rank"}
+    assert _fused(compile(_pipeline(a_per_rank, b, upd_b), ["trainer.fuse_ops=false"])) == {}
+
+
+def test_a_follower_never_reads_state_its_own_chain_wrote_before_it():
+    # the leader and b_after_upd read w; upd_a, before b_after_upd in the chain, writes it: inside the call
+    # b_after_upd would see this step's new value, where on its own it sees the one before
+    plan = _plan(a_per_rank_reads_w, upd_a, b_after_upd)
+    assert _fused(plan) == {"upd_a": "a_per_rank_reads_w"}
+    assert plan.op("b_after_upd").fused_into is None

@@ -91,6 +91,34 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
     assert [json.loads(ln)["step"] for ln in lines] == [0, 1]
 
 
+def test_the_update_inside_generation_s_call_changes_no_result_and_a_failure_in_it_is_restored(model_dir, tq_plane,
+                                                                                               tmp_path):
+    # one actor rank: the update closes generation's fused chain and a step is one call. Every op
+    # dispatched on its own (trainer.fuse_ops=false) gives the same records; an update that fails inside
+    # the call is not run again in place (it may have stepped) but restored from the step-1 checkpoint,
+    # and step 2 replayed to the same records
+    plan = _plan("grpo", model_dir)
+    assert plan.followers("generate")[-1] == "update_actor"
+    fused = run_plan(plan, RunOptions(out_dir=tmp_path / "fused", steps=3, timeout_s=300), plane=tq_plane)
+    apart = run_plan(_plan("grpo", model_dir, "trainer.fuse_ops=false"),
+                     RunOptions(out_dir=tmp_path / "apart", steps=3, timeout_s=300), plane=tq_plane)
+    assert _stable(fused) == _stable(apart)
+    from rlgraph.runtime.reporter import Reporter
+
+    class Faults(Reporter):
+        seen: list[str] = []
+
+        def fault(self, message: str) -> None:
+            self.seen.append(message)
+
+    failed = run_plan(plan, RunOptions(out_dir=tmp_path / "failed", steps=3, timeout_s=300, reporter=Faults(),
+                                       faults=[Fault("update_actor", step=2, chunk=0, kind="raise")]), plane=tq_plane)
+    assert [r["faults/retries"] for r in failed] == [0, 0, 1]
+    assert len(Faults.seen) == 1 and "op 'generate' failed" in Faults.seen[0] and "restoring every worker" in Faults.seen[0]
+    assert _stable(failed) == [{**r, "faults/retries": f["faults/retries"], "faults/restarts": f["faults/restarts"]}
+                               for r, f in zip(_stable(fused), failed)]
+
+
 def test_the_update_s_own_forward_gives_what_the_old_logprob_pass_gave(model_dir, tq_plane, tmp_path):
     # one mini-batch of one epoch per step: the compiler leaves old_logprob out and the update takes
     # old log-probs from its first forward; the same run with trainer.reuse_forward=false runs the

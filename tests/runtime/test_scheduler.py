@@ -287,6 +287,9 @@ def test_repair_decisions():
     assert repair_for(plan, "generate", died=False, stateful=True) is Repair.RERUN
     assert repair_for(plan, "generate", died=True, stateful=True) is Repair.RESTORE
     assert repair_for(plan, "update_actor", died=False, stateful=True) is Repair.RESTORE  # may have stepped
+    # a call that carries the update (fused after generation) may have stepped too
+    assert repair_for(plan, "generate", died=False, stateful=True, fused=["ref", "update_actor"]) is Repair.RESTORE
+    assert repair_for(plan, "generate", died=False, stateful=True, fused=["ref"]) is Repair.RERUN
 
 
 def test_a_completion_touches_only_the_chunks_it_unblocks():
