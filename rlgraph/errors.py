@@ -91,6 +91,11 @@ class InvariantError(RLGraphError):
     samples older than trainer.max_staleness): the run fails at once, retrying cannot help."""
 
 
+class CallOrderError(RLGraphError):
+    """A call queued behind the step before's call on its worker found that call not ended well just
+    before it (it failed, or did not run first): not run. The runner mends it like a failed call."""
+
+
 class RefillExhausted(RLGraphError):
     """Dynamic sampling ran its ``max_rounds`` generation rounds without keeping enough groups to
     fill the batch, and the filter's ``on_exhaust`` is ``fail``; the message has the counts and fixes."""

@@ -495,6 +495,8 @@ class Fleet:
         hook: dict[str, Any] = {"fault": fault[0], "fault_op": fault[1]} if fault else {}
         if call.fused:  # the ops fused into the call (`rlgraph.graph.fuse`), each with its chunks' (index, rows)
             hook["fused"] = [(name, [(ch.index, len(ch.rows)) for ch in chunks]) for name, chunks in call.fused]
+        if call.after:  # queued behind the step before's call: the worker checks that it ended well first
+            hook["after"] = call.after
         rows, row_uids = list(call.rows), [uids[i] for i in call.rows]
         # where the rows are in the data plane: the worker's gets and puts then ask the plane nothing first.
         # They name storage slots, not partitions, so no call of a step may run after its partition is

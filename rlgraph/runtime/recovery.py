@@ -163,7 +163,7 @@ class Recovery:
             restarted = f"restarted group {call.group!r}, "
         self.reporter.fault(f"{what} at step {step}; {restarted}running {len(again)} call(s) again")
         for owner, c in again:
-            resubmit(c, owner)
+            resubmit(owner.sched.rerun(c), owner)
 
     def take_restarts(self) -> int:
         """The actors restores restarted since the last written step (its record counts them once)."""

@@ -247,10 +247,10 @@ class Runner:
         try:
             while True:
                 admit_more(live, inflight)
-                self.weights.open_gates(live, inflight)
-                for key in sorted(live):  # the oldest step first
-                    for call in live[key].sched.next_calls():
-                        self._submit(call, live[key], inflight)
+                sent = True  # the oldest step first; a call just sent may let a later step's queue behind it
+                while sent:
+                    self.weights.open_gates(live, inflight)
+                    sent = [self._submit(c, live[k], inflight) for k in sorted(live) for c in live[k].sched.next_calls()]
                 self.fleet.clear_all(clear_now)
                 finished = list(self.window.pop_done())
                 for key in finished:

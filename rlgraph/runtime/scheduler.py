@@ -37,6 +37,9 @@ on the actor): a long op feeding another pool keeps one call per chunk, so its r
 the first chunk's rows.
 ``sync`` additionally holds an op until every op of earlier stages has
 finished (a barrier after each stage, like the classic single-controller trainer).
+**Queued calls:** an op opened behind a call of the step before (`open` with ``after``,
+`rlgraph.runtime.window`) may go to its one rank while that call still runs there: queued behind
+it (`Slots.queue`, one per rank), named in ``Call.after`` so the worker can check the order.
 
 **Fused chains** (`rlgraph.graph.fuse`): an op fused into a leader (``OpPlan.fused_into``: ref
 after generate on the actor) is never dispatched itself. Its chunks are the leader's, each split
@@ -59,6 +62,7 @@ and run again what the group had in flight, or restore every worker from a check
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import heapq
 from dataclasses import dataclass
@@ -66,7 +70,7 @@ from typing import Mapping, Sequence
 
 from rlgraph.graph.plan import OpPlan, Plan
 
-__all__ = ["Chunk", "Call", "Repair", "Slots", "StepScheduler", "home_group", "make_chunks", "repair_for",
+__all__ = ["Chunk", "Call", "Repair", "Slots", "StepScheduler", "call_token", "home_group", "make_chunks", "repair_for",
            "row_homes"]
 
 RAGGED_WEIGHT = 32  # a column with a ragged (per-token) dimension counts as this many scalars
@@ -94,6 +98,9 @@ class Call:
     more: tuple[Chunk, ...] = ()  # further chunks of the same op in this call
     # ops fused into this one's calls, in the order they run, each with its chunks on these rows
     fused: tuple[tuple[str, tuple[Chunk, ...]], ...] = ()
+    # sent behind the call of an earlier step still running on its rank (`StepScheduler.open`): that
+    # call's `call_token`, which the worker checks it ran, and well, before this one ("": none)
+    after: str = ""
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -105,6 +112,11 @@ class Call:
         if not self.more:
             return [(self.chunk.index, len(self.rows))]
         return [(c.index, len(c.rows)) for c in self.chunks]
+
+
+def call_token(partition: str, op: str, chunk: int) -> str:
+    """What names a call to the worker it runs on: its step's partition, its op and its first chunk."""
+    return f"{partition}/{op}/{chunk}"
 
 
 def make_chunks(op: OpPlan, uids: Sequence[int], within: Sequence[Chunk] | None = None) -> list[Chunk]:
@@ -238,19 +250,31 @@ def repair_for(plan: Plan, op_name: str, died: bool, stateful: bool, fused: Sequ
 
 class Slots:
     """Which bundles of each pool are running a call. One `Slots` is shared by the schedulers of
-    all steps in flight, so that two steps never put two calls on one bundle."""
+    all steps in flight, so that two steps never put two calls on one bundle. A bundle may hold
+    one call more, queued behind the one it runs (`queue`: a call sent behind its predecessor);
+    it stays busy until both ended."""
 
     def __init__(self, plan: Plan) -> None:
         self.busy: set[tuple[str, int]] = set()  # (pool, bundle index)
+        self.running: dict[tuple[str, int], Call | None] = {}  # busy bundle -> the call it runs
+        self.queued: dict[tuple[str, int], Call] = {}  # busy bundle -> the call queued behind it
         self.used = {p.name: 0 for p in plan.pools}
         self.size = {p.name: len(p.bundles) for p in plan.pools}
 
-    def take(self, pool: str, rank: int) -> None:
+    def take(self, pool: str, rank: int, call: Call | None = None) -> None:
         self.busy.add((pool, rank))
+        self.running[(pool, rank)] = call
         self.used[pool] += 1
 
+    def queue(self, pool: str, rank: int, call: Call) -> None:
+        self.queued[(pool, rank)] = call
+
     def free(self, pool: str, rank: int) -> None:
+        if (pool, rank) in self.queued:  # the queued call runs now
+            self.running[(pool, rank)] = self.queued.pop((pool, rank))
+            return
         self.busy.discard((pool, rank))
+        self.running.pop((pool, rank), None)
         self.used[pool] -= 1
 
 
@@ -372,6 +396,9 @@ class StepScheduler:
         self.slots = slots or Slots(plan)
         self._gated = {name for name in gated if not self.ops[name].skipped and self.ops[name].leader is None}
         self._parked: dict[str, list[int]] = {}  # gated op -> chunks released while it was gated
+        # op opened behind a call of the step before -> (that call, its `call_token`)
+        self._behind: dict[str, tuple[Call, str]] = {}
+        self._running: dict[tuple[str, int], Call] = {}  # (group, rank) -> this step's call running there
         self._sent = {(g.name, r): 0 for g in plan.groups for r in range(g.dp)}
         self._waiting: dict[str, list[int]] = {p.name: [] for p in plan.pools}  # pool -> sorted op orders
         self._by_order = list(self.ops.values())
@@ -434,8 +461,15 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ dispatch
     def next_calls(self) -> list[Call]:
-        """The calls to start now (ready chunks onto idle ranks); they count as running."""
+        """The calls to start now (ready chunks onto idle ranks, or behind the call an op was opened
+        behind); they count as running."""
         calls: list[Call] = []
+        for name in list(self._behind):
+            st = self.ops[name]
+            if st.ready:
+                calls += self._assign(st)
+            if st.started == len(st.chunks):
+                del self._behind[name]
         for pool, orders in self._waiting.items():
             i = 0
             while i < len(orders) and self.slots.used[pool] < self.slots.size[pool]:
@@ -450,6 +484,11 @@ class StepScheduler:
     def _assign(self, st: _Op) -> list[Call]:
         group, dp = st.plan.group, self._dp[st.plan.group]
         free = [r for r in range(dp) if (st.pool, r) not in self.slots.busy]
+        after = ""  # the call this one is queued behind, on its one rank: while that one runs there
+        behind = self._behind.get(st.plan.name)
+        if (not free and behind is not None and self.slots.running.get((st.pool, 0)) is behind[0]
+                and (st.pool, 0) not in self.slots.queued):
+            free, after = [0], behind[1]
         calls: list[Call] = []
         # ready chunks shared over the group's ranks (not only the idle ones: a rank freed a moment
         # later still gets its share, so a batched call never holds back a group's parallelism)
@@ -475,9 +514,14 @@ class StepScheduler:
             fused = self._fused(st, (chunk, *more))
             for rank, rows in parts:
                 free.remove(rank)
-                self.slots.take(st.pool, rank)
+                call = Call(chunk, group, rank, rows, more, fused, after)
+                if after:
+                    self.slots.queue(st.pool, rank, call)
+                else:
+                    self.slots.take(st.pool, rank, call)
                 self._sent[(group, rank)] += len(rows)
-                calls.append(Call(chunk, group, rank, rows, more, fused))
+                calls.append(call)
+                self._running[(group, rank)] = call
         return calls
 
     @staticmethod
@@ -525,6 +569,8 @@ class StepScheduler:
         chunk: when every shard's call is)."""
         st = self.ops[call.chunk.op]
         self.slots.free(st.pool, call.rank)
+        if self._running.get((call.group, call.rank)) is call:
+            del self._running[(call.group, call.rank)]
         whole = True
         for c in call.chunks:
             st.parts_left[c.index] -= 1
@@ -601,13 +647,44 @@ class StepScheduler:
         """Ops still held for their cross-step conditions."""
         return self._gated
 
-    def open(self, op: str) -> None:
-        """`op`'s cross-step conditions hold: release its held chunks and let later ones through."""
+    def open(self, op: str, after: tuple[Call, str] | None = None) -> None:
+        """`op`'s cross-step conditions hold: release its held chunks and let later ones through.
+        `after`: (a call of the step before, its `call_token`): they hold once that call ends well,
+        on the one rank of `op`'s group where it runs: while it runs, `op`'s call may be queued
+        behind it there (the worker runs its calls in order, and checks)."""
         if op not in self._gated:
             return
+        if after is not None:
+            self._behind[op] = after
         self._gated.discard(op)
         for k in self._parked.pop(op, []):
             self._release(self.ops[op], k)
+
+    def rerun(self, call: Call) -> Call:
+        """`call`, sent again after it failed (`rlgraph.runtime.recovery`): as it was, but queued behind
+        nothing (the call it was queued behind ran before its first attempt), in place of it here."""
+        if not call.after:
+            return call
+        again = dataclasses.replace(call, after="")
+        if self._running.get((call.group, call.rank)) is call:
+            self._running[(call.group, call.rank)] = again
+        bundle = (self._pool[call.group], call.rank)
+        if self.slots.running.get(bundle) is call:
+            self.slots.running[bundle] = again
+        return again
+
+    def lone_call(self, group: str) -> Call | None:
+        """The call of `group` running on its one rank when nothing else of `group` is left in this
+        step: every op of the group finished or runs its last chunks in that call. A call of the
+        next step may be queued behind it (`Window`)."""
+        call = self._running.get((group, 0))
+        if call is None or self._dp[group] != 1:
+            return None
+        inside = {call.chunk.op: len(call.chunks), **{name: len(chunks) for name, chunks in call.fused}}
+        for name, st in self.ops.items():
+            if st.plan.group == group and not st.finished and st.done + inside.get(name, 0) != len(st.chunks):
+                return None
+        return call
 
     def op_finished(self, op: str) -> bool:
         """Whether `op` has finished (or is skipped) this step."""

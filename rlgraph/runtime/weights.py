@@ -16,6 +16,7 @@ from typing import Any
 
 from rlgraph.graph.plan import Plan
 from rlgraph.runtime.fleet import Fleet
+from rlgraph.runtime.scheduler import call_token
 from rlgraph.runtime.step import LiveStep, StepKey
 from rlgraph.runtime.window import Window
 
@@ -56,7 +57,11 @@ class WeightMover:
             again = False
             for gate in self.window.gates():
                 if gate.sync is None:
-                    live[gate.key].sched.open(gate.op)
+                    after = None
+                    if gate.after is not None:  # may queue behind the step before's call on the op's one rank
+                        prev, call = gate.after
+                        after = (call, call_token(live[prev].partition, call.chunk.op, call.chunk.index))
+                    live[gate.key].sched.open(gate.op, after)
                     continue
                 col, group, version = gate.sync
                 if (col, group) in self.syncing:

@@ -18,7 +18,12 @@ that results never depend on timing:
   then depends on timing: the one exception to the rule above, and an opt-in.
 - **Order inside a stateful group.** A group that keeps state (a model, an optimizer, state
   columns) runs its steps in order: no op of it starts step t before every op of it finished
-  step t-1. Its state then changes in the same order whatever the timing.
+  step t-1. Its state then changes in the same order whatever the timing. On a group of one
+  rank, step t's first call may be sent while the group's last call of step t-1 still runs, when
+  that call carries the update and writes no state another group reads: queued behind it on
+  the worker (`Gate.after`), which runs its
+  calls in order and checks that the one before ended well; the driver's hand-off between the
+  two is gone, and the order, with it the results, is the same.
 
 A step's partition, scheduler and record live until the step and every earlier one finished;
 steps complete in order. Weights a future step may still need are kept by producer step
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from rlgraph.graph.plan import Plan
-from rlgraph.runtime.scheduler import StepScheduler
+from rlgraph.runtime.scheduler import Call, Repair, StepScheduler, repair_for
 from rlgraph.runtime.step import StepKey
 
 __all__ = ["Gate", "Window", "reads_step"]
@@ -48,6 +53,8 @@ class Gate:
     key: StepKey
     op: str
     sync: tuple[str, str, int] | None = None  # (column, group, producer step)
+    # the call of the step before (its step, the call) that the op's calls may be queued behind
+    after: tuple[StepKey, Call] | None = None
 
 
 def reads_step(step: int, lag: int) -> int:
@@ -201,17 +208,39 @@ class Window:
     def _gate(self, key: StepKey, op: str) -> Gate | None:
         group, step = self.group_of[op], key.step
         fixed = self._reads.get(key)
+        behind: Call | None = None  # the step before's last call of the group, which op's may queue behind
         if fixed is None and group in self.stateful:
             prev = step - 1
             if StepKey(prev) in self.live and not all(self._finished(prev, o) for o in self.group_ops[group]):
-                return None
+                behind = self._behind(StepKey(prev), group)
+                if behind is None:
+                    return None
         for c in self.state_cols[op]:
             upto = fixed if fixed is not None else reads_step(step, self.lag[op])
             if upto >= self.first and not self._finished(upto, self.producer[c]):
-                return None
+                # written by that very call (its group's own state, in order on its one rank), or wait
+                if behind is None or upto != step - 1 or self.moves(c, group):
+                    return None
             if not self.moves(c, group):
                 continue  # written here, on its only rank: it holds its own latest value, in order
             version = self.version_for(c, step - 1 if op in self.partial and fixed is None else upto)
             if self.held.get((c, group), _UNKNOWN) != version:
-                return Gate(key, op, (c, group, version))
-        return Gate(key, op)
+                return None if behind is not None else Gate(key, op, (c, group, version))
+        return Gate(key, op, after=(StepKey(step - 1), behind) if behind is not None else None)
+
+    def _behind(self, prev: StepKey, group: str) -> Call | None:
+        """The call of step `prev` that `group` runs last, on its one rank, when a call of the next
+        step may be queued behind it: nothing else of `group` is left in `prev`
+        (`StepScheduler.lone_call`); it carries an op that changes state (the update), so that a
+        failure of it restores every worker (`repair_for`) and the call queued behind it is never
+        taken for done; and none of its ops writes a state column another group reads (the driver
+        exports that value from the worker once the call ended, which a queued call would already
+        have changed). The worker runs its calls in the order sent; the queued call checks that
+        this one ended well before it starts (`GroupWorker._check_after`)."""
+        call = self.live[prev].lone_call(group)
+        if call is None:
+            return None
+        ops = [call.chunk.op, *(name for name, _ in call.fused)]
+        if any(c in self.crossing for op in ops for c in self.produces[op]):
+            return None
+        return call if repair_for(self.plan, ops[0], False, True, ops[1:]) is Repair.RESTORE else None

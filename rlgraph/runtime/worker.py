@@ -26,12 +26,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from rlgraph.errors import InvariantError, OpError
+from rlgraph.errors import CallOrderError, InvariantError, OpError
 from rlgraph.graph.plan import Plan
 from rlgraph.rows import Rows, joined, tensors
 from rlgraph.runtime.dataplane import assemble_rows, count_locality, counted_apart, locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
+from rlgraph.runtime.scheduler import call_token
 from rlgraph.runtime.actor import READ_AHEAD, CallResult, PartResult, read_ahead_ops  # noqa: F401  # re-exported
 from rlgraph.runtime.trace import Span
 
@@ -290,6 +291,7 @@ class GroupWorker:
         self.group, self.rank, self.dp = group, rank, dp
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
         self.local = LocalColumns()
+        self._ended_well = ""  # the `call_token` of the call that ended last, if it ended well
         self.kept, self.private = local_columns(self.plan, group)
         self._op_columns: dict[str, _OpColumns] = {}  # by op, made at its first call (`_columns`)
         # during a call with fused ops: the columns its ops read from the plane, for its rows (one get),
@@ -335,8 +337,8 @@ class GroupWorker:
     def run_chunk(self, op_name: str, step: int, partition: str, chunks: Sequence[tuple[int, int]],
                   rows: Sequence[int], uids: Sequence[int], is_padding: Sequence[bool],
                   batch_inputs: dict[str, Any] | None = None, salt: int = 0, addresses: Any = None,
-                  fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = (), forget: Sequence[str] = ()
-                  ) -> CallResult:
+                  fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = (), forget: Sequence[str] = (),
+                  after: str = "") -> CallResult:
         """Run `op_name` on `rows`: get its inputs, call the body, put its outputs. `chunks`: the
         (chunk index, number of rows) of each chunk the call holds, in the order of `rows`; the
         inputs are read with one get and the outputs written with one put, and the body runs once
@@ -346,7 +348,9 @@ class GroupWorker:
         fused into this call (`rlgraph.graph.fuse`), each with its chunks on the same rows: they run
         after it, in order, and their results come in `CallResult.fused`. `forget`: partitions the
         driver cleared since this worker's last call (`forget`, sent with the call: a call of its
-        own would run between two of this worker's calls, on the step's critical path)."""
+        own would run between two of this worker's calls, on the step's critical path). `after`: the
+        `call_token` of the call this one was queued behind (`_check_after`)."""
+        self._check_after(after, op_name, step)
         self._forget_all(forget)
         rows = tuple(rows)
         self._learn(partition, rows, addresses)
@@ -356,7 +360,17 @@ class GroupWorker:
             result.fused = self._run_fused(op_name, fused, step, partition, rows, uids, is_padding, salt)
         finally:
             self._end_call()
+        self._ended_well = call_token(partition, op_name, chunks[0][0])
         return result
+
+    def _check_after(self, after: str, op_name: str, step: int) -> None:
+        """A call queued behind the step before's call (`rlgraph.runtime.window`) runs only right after
+        that call ended well here; every call then counts as not ended well until it has."""
+        if after and after != self._ended_well:
+            raise CallOrderError(f"op {op_name!r} at step {step} on worker {self.group}[{self.rank}] was queued behind "
+                                 f"call {after}, which did not end well on this worker just before it (it failed, "
+                                 f"or has not run yet): not run")
+        self._ended_well = ""
 
     def _begin_call(self, leader: str, fused: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
         """Before a call of `leader` with the ops `fused` into it: the per-sample columns the
@@ -439,17 +453,19 @@ class GroupWorker:
                          uids: Sequence[int], is_padding: Sequence[bool],
                          batch_inputs: dict[str, Any] | None = None,
                          salt: int = 0, addresses: Any = None,
-                         fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = (), forget: Sequence[str] = ()
-                         ) -> Iterator[PartResult | CallResult]:
+                         fused: Sequence[tuple[str, Sequence[tuple[int, int]]]] = (), forget: Sequence[str] = (),
+                         after: str = "") -> Iterator[PartResult | CallResult]:
         """`run_chunk` for a streaming op (a Ray streaming generator): puts each part the body
         yields and yields a `PartResult` for it at once, then the call's `CallResult` (after the
         ops fused into the call ran on all its rows)."""
+        self._check_after(after, op_name, step)
         self._forget_all(forget)
         try:
             yield from self._stream(op_name, step, partition, chunk, rows, uids, is_padding, batch_inputs, salt,
                                     addresses, fused)
         finally:  # failed, or closed early: the call's reads go with it
             self._end_call()
+        self._ended_well = call_token(partition, op_name, chunk)
 
     def run_chunk_whole(self, *args: Any, **kwargs: Any) -> CallResult:
         """`run_chunk_stream` (same arguments) with one result: for a streaming op whose parts no

@@ -92,17 +92,33 @@ def test_example_trains_and_schedules_agree(example, model_dir, tq_plane, tmp_pa
 
 
 def test_the_update_inside_generation_s_call_changes_no_result_and_a_failure_in_it_is_restored(model_dir, tq_plane,
-                                                                                               tmp_path):
-    # one actor rank: the update closes generation's fused chain and a step is one call. Every op
-    # dispatched on its own (trainer.fuse_ops=false) gives the same records; an update that fails inside
-    # the call is not run again in place (it may have stepped) but restored from the step-1 checkpoint,
-    # and step 2 replayed to the same records
+                                                                                               tmp_path, monkeypatch):
+    # one actor rank: the update closes generation's fused chain and a step is one call, queued on the
+    # actor behind the step before's (but after a checkpoint, which drains the steps in flight). Every op
+    # dispatched on its own (trainer.fuse_ops=false; generation queued behind the update) gives the same
+    # records; an update that fails inside the call is not run again in place (it may have stepped) but
+    # restored from the step-1 checkpoint, and steps 2 and 3 replayed to the same records (step 3's call,
+    # queued behind the failed one, is not run: its worker checks)
+    from rlgraph.runtime.fleet import Fleet
+
+    sent = []
+    submit = Fleet.submit
+
+    def spy(self, call, step, *args, **kwargs):
+        sent.append((step, call.chunk.op, call.after))
+        return submit(self, call, step, *args, **kwargs)
+
+    monkeypatch.setattr(Fleet, "submit", spy)
     plan = _plan("grpo", model_dir)
     assert plan.followers("generate")[-1] == "update_actor"
-    fused = run_plan(plan, RunOptions(out_dir=tmp_path / "fused", steps=3, timeout_s=300), plane=tq_plane)
+    fused = run_plan(plan, RunOptions(out_dir=tmp_path / "fused", steps=4, timeout_s=300), plane=tq_plane)
+    assert [(step, "/".join(after.split("/")[-2:])) for step, _, after in sent] == [
+        (0, ""), (1, "generate/0"), (2, ""), (3, "generate/0")]  # steps 1 and 3 behind 0 and 2; 2 after a checkpoint
+    sent.clear()
     apart = run_plan(_plan("grpo", model_dir, "trainer.fuse_ops=false"),
-                     RunOptions(out_dir=tmp_path / "apart", steps=3, timeout_s=300), plane=tq_plane)
+                     RunOptions(out_dir=tmp_path / "apart", steps=4, timeout_s=300), plane=tq_plane)
     assert _stable(fused) == _stable(apart)
+    assert [(step, op) for step, op, after in sent if after] == [(1, "generate"), (3, "generate")]
     from rlgraph.runtime.reporter import Reporter
 
     class Faults(Reporter):
@@ -111,9 +127,9 @@ def test_the_update_inside_generation_s_call_changes_no_result_and_a_failure_in_
         def fault(self, message: str) -> None:
             self.seen.append(message)
 
-    failed = run_plan(plan, RunOptions(out_dir=tmp_path / "failed", steps=3, timeout_s=300, reporter=Faults(),
+    failed = run_plan(plan, RunOptions(out_dir=tmp_path / "failed", steps=4, timeout_s=300, reporter=Faults(),
                                        faults=[Fault("update_actor", step=2, chunk=0, kind="raise")]), plane=tq_plane)
-    assert [r["faults/retries"] for r in failed] == [0, 0, 1]
+    assert [r["faults/retries"] for r in failed] == [0, 0, 1, 0]
     assert len(Faults.seen) == 1 and "op 'generate' failed" in Faults.seen[0] and "restoring every worker" in Faults.seen[0]
     assert _stable(failed) == [{**r, "faults/retries": f["faults/retries"], "faults/restarts": f["faults/restarts"]}
                                for r, f in zip(_stable(fused), failed)]

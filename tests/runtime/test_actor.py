@@ -82,3 +82,20 @@ def test_the_driver_creates_the_worker_actors_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_call_queued_behind_another_runs_only_right_after_that_one_ended_well():
+    """`GroupWorker._check_after`: a call queued behind the step before's (`rlgraph.runtime.window`)
+    names that call; the worker refuses it unless its last call was that one and ended well, and every
+    call counts as not ended well until it has."""
+    from types import SimpleNamespace
+
+    from rlgraph.errors import CallOrderError
+
+    worker = SimpleNamespace(group="actor", rank=0, _ended_well="step_0/generate/0")
+    GroupWorker._check_after(worker, "step_0/generate/0", "generate", 1)
+    assert worker._ended_well == ""  # running: not ended well (yet)
+    with pytest.raises(CallOrderError, match=r"op 'generate' at step 2 on worker actor\[0\] was queued behind call "
+                                             r"step_1/generate/0, which did not end well"):
+        GroupWorker._check_after(worker, "step_1/generate/0", "generate", 2)
+    GroupWorker._check_after(worker, "", "generate", 2)  # a call sent on its own runs whatever came before

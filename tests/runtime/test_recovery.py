@@ -161,7 +161,7 @@ def test_a_cleared_partition_is_forgotten_with_each_worker_s_next_call_or_on_its
     fleet.clear("train_1")
     assert calls_a == calls_b == calls_src == []  # nothing sent on its own
     call = SimpleNamespace(chunk=SimpleNamespace(op="gen", index=0), group="g", rank=0, fused=(), rows=[0, 1],
-                           spans=[(0, 2)])
+                           spans=[(0, 2)], after="")
     fleet.submit(call, step=2, partition="train_2", uids=[10, 11], tags=(False, False), batch_inputs={}, fault=None)
     (method, _, kwargs), = calls_a
     assert method == "run_chunk" and kwargs["forget"] == ["train_0", "train_1"]

@@ -160,3 +160,88 @@ def test_state_ops_include_ops_that_only_read_state():
     # lose the weights it was given, so it counts as keeping state (Fleet.stateful, Window.stateful)
     plan = _plan("trainer.max_staleness=1")
     assert plan.state_ops() == {"generate", "old_logprob", "update_actor"}
+
+
+def test_the_next_step_s_call_is_queued_behind_the_call_that_ends_the_step_before():
+    """examples/grpo.py: every op on the actor's one rank, the update fused into generation's call, so a
+    step is one call. Once step 1 is admitted, its call may go to the actor behind step 0's (the worker
+    runs them in order and checks that step 0's ended well first): the hand-off through the driver
+    between two steps is gone. Not while step 0 still has calls of the group to send."""
+    from rlgraph.runtime.scheduler import call_token
+    from rlgraph.runtime.step import StepKey
+
+    pipeline, ref = load_pipeline(str(ROOT / "examples" / "grpo.py"))
+    uids = [u for u in range(4) for _ in range(2)]
+
+    def start(plan):
+        window, slots = Window(plan, {"actor": True}), Slots(plan)
+        s0 = StepScheduler(plan, uids, [False] * 8, 0, schedule="sync", slots=slots, gated=window.gated_ops())
+        window.admit(0, s0)
+        for gate in window.gates():
+            assert gate.after is None  # nothing before step 0
+            s0.open(gate.op)
+        (c0,) = s0.next_calls()
+        s1 = StepScheduler(plan, uids, [False] * 8, 1, schedule="sync", slots=slots, gated=window.gated_ops())
+        window.admit(1, s1)
+        return window, slots, s0, s1, c0
+
+    plan = compile(pipeline, ["data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4"], pipeline_ref=ref)
+    window, slots, s0, s1, c0 = start(plan)
+    (gate,) = window.gates()
+    assert (gate.key, gate.op, gate.after) == (StepKey(1), "generate", (StepKey(0), c0))
+    s1.open(gate.op, (c0, call_token("p0", c0.chunk.op, c0.chunk.index)))
+    (c1,) = s1.next_calls()
+    assert c1.after == "p0/generate/0" and slots.queued == {("actor", 0): c1}
+    assert s1.next_calls() == [] and window.gates() == []  # one call queued per rank, and no more
+    s0.call_done(c0)
+    assert list(window.pop_done()) == [StepKey(0)] and slots.busy == {("actor", 0)} and not slots.queued
+    assert slots.running[("actor", 0)] is c1 and s1.lone_call("actor") is c1
+    again = s1.rerun(c1)  # step 1's call failed and is sent again (recovery): behind nothing now
+    assert again.after == "" and again.chunk == c1.chunk
+    assert slots.running[("actor", 0)] is again and s1.lone_call("actor") is again
+    s1.call_done(again)
+    assert s1.finished and not slots.busy and slots.used == {"actor": 0} and not slots.running
+
+    # every op dispatched on its own: while step 0 generates, its update is still to be sent
+    plan = compile(pipeline, ["data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "trainer.fuse_ops=false"],
+                   pipeline_ref=ref)
+    window, slots, s0, s1, c0 = start(plan)
+    assert window.gates() == []
+    s0.call_done(c0)
+    while (calls := s0.next_calls()) and calls[0].chunk.op != "update_actor":
+        for c in calls:
+            s0.call_done(c)
+    (update,) = calls  # step 0's last call: step 1's ops may queue behind it, generation first
+    gates = window.gates()
+    assert {g.op for g in gates} >= {"generate", "update_actor"} and {g.after for g in gates} == {(StepKey(0), update)}
+    for g in gates:
+        s1.open(g.op, (update, "p0/update_actor/0"))
+    (c1,) = s1.next_calls()
+    assert (c1.chunk.op, c1.after) == ("generate", "p0/update_actor/0")
+    s0.call_done(update)
+    assert s1.next_calls() == []  # the rank runs step 1's generation now: nothing queues behind the update any more
+    s1.call_done(c1)
+    assert all(c.after == "" for c in s1.next_calls())
+
+
+def test_no_call_queues_behind_one_whose_new_weights_another_group_reads():
+    """examples/grpo_async.py: the update's weights go to the rollout group, exported from the actor
+    once the update's call ended; a call of the next step queued behind it would have changed them by
+    then. Its next update waits for the hand-off, as before."""
+    plan = _plan()
+    window, slots = Window(plan, STATEFUL), Slots(plan)
+    uids = [u for u in range(4) for _ in range(2)]
+    for step in (0, 1):
+        window.admit(step, StepScheduler(plan, uids, [False] * 8, step, slots=slots, gated=window.gated_ops()))
+    s0 = window.live[min(window.live)]
+    while not s0.lone_call("actor"):  # run step 0 until its update is the actor's last call
+        for gate in window.gates():
+            if gate.sync:
+                window.holds(*gate.sync)
+            elif gate.key.step == 0:
+                s0.open(gate.op)
+        for call in s0.next_calls():
+            if call.chunk.op != "update_actor":
+                s0.call_done(call)
+    assert all(g.after is None for g in window.gates())
+    assert not any(g.key.step == 1 and g.op in ("update_actor", "old_logprob") for g in window.gates())
