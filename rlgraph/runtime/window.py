@@ -21,9 +21,9 @@ that results never depend on timing:
   step t-1. Its state then changes in the same order whatever the timing. On a group of one
   rank, step t's first call may be sent while the group's last call of step t-1 still runs, when
   that call carries the update and writes no state another group reads: queued behind it on
-  the worker (`Gate.after`), which runs its
-  calls in order and checks that the one before ended well; the driver's hand-off between the
-  two is gone, and the order, with it the results, is the same.
+  the worker (`Gate.after`), which runs its calls in order and checks that the one before
+  ended well; the driver's hand-off between the two is gone, and the order, with it the
+  results, is the same.
 
 A step's partition, scheduler and record live until the step and every earlier one finished;
 steps complete in order. Weights a future step may still need are kept by producer step
