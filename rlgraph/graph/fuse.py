@@ -70,9 +70,9 @@ def fused_leaders(ops: Sequence[OpPlan], columns: Mapping[str, ColumnPlan], sour
     out: dict[str, str] = {}
     writes_state: dict[str, set[str]] = {}  # leader -> the state columns its chain's followers write
     for f in sorted(ops, key=lambda o: o.stage):  # producers come in earlier stages
-        closes = not _pure(f, columns, rounds)
-        if closes and not _may_close(f, rounds):
+        if not _may_follow(f, rounds):
             continue
+        closes = _updates(f, columns)  # then it may only close a chain
         producers = {columns[c].producer for c in f.inputs if c not in source}
         if not producers or any(p not in by_name for p in producers):
             continue
@@ -127,16 +127,17 @@ def _whole_groups(lead: OpPlan, group_size: int) -> bool:
     return not size or size % max(group_size, 1) == 0
 
 
-def _pure(f: OpPlan, columns: Mapping[str, ColumnPlan], rounds: set[str]) -> bool:
-    """F may run inside another op's call: a forward pass on its rows that writes no state."""
-    return not (f.drops or f.streams or f.mode == "barrier" or f.name in rounds or f.batching.per_rank
-                or f.batching.mini_batch_samples is not None
-                or any(columns[c].kind == "state" for c in f.outputs))
-
-
-def _may_close(f: OpPlan, rounds: set[str]) -> bool:
-    """F, not a forward pass (`_pure`), may still end a chain whose leader makes one call per step."""
+def _may_follow(f: OpPlan, rounds: set[str]) -> bool:
+    """F may run inside another op's call at all: it does not drop rows, stream, run one call per
+    rank or belong to dynamic sampling's rounds."""
     return not (f.drops or f.streams or f.name in rounds or f.batching.per_rank)
+
+
+def _updates(f: OpPlan, columns: Mapping[str, ColumnPlan]) -> bool:
+    """F is not a forward pass on its rows (a barrier, mini-batches, state written: an update), so it
+    may only close a chain whose leader makes one call per step."""
+    return (f.mode == "barrier" or f.batching.mini_batch_samples is not None
+            or any(columns[c].kind == "state" for c in f.outputs))
 
 
 def _one_call_per_step(lead: OpPlan) -> bool:
