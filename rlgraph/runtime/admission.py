@@ -60,7 +60,9 @@ def begin(runner: Runner, key: StepKey, partition: str | None = None, ops: set[s
     rows = b.padded_batch_warmup if step < b.critic_warmup else b.padded_batch
     t0, bytes0 = time.time(), payload_bytes_in_this_process()
     homes, row_nodes = runner.fleet.homes(rows)
-    runner.fleet.plane.create_partition(partition, rows, homes)
+    # every client is handed the rows' addresses (calls, reads ahead, the source's produce), but the
+    # source's assembly of a refilled batch looks the rounds' rows up by name
+    runner.fleet.plane.create_partition(partition, rows, homes, lookup=runner.refiller is not None)
     try:
         ref = runner.fleet.produce(partition, rows, step * rows if uid_start is None else uid_start,
                                    key.phase == VALIDATE)

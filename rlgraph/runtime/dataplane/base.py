@@ -290,11 +290,15 @@ class DataPlane(DataPlaneClient):
     """
 
     @abstractmethod
-    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None) -> None:
+    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None,
+                         lookup: bool = True) -> None:
         """Register ``partition`` with rows ``0..num_rows-1``. Puts to other rows fail.
         Raises if the partition already exists (``clear`` it first). ``homes[r]``: the storage
         unit (an index into `storage_nodes`) that keeps row ``r``; a plane whose storage follows
-        the writer (the Ray store) ignores it."""
+        the writer (the Ray store) ignores it. ``lookup=False``: every client that reaches its
+        rows is given their `addresses` first (`DataPlaneClient.learn`), none looks them up by
+        name, so the plane may place it where it likes (TransferQueue: on a cleared partition's
+        rows, without asking its controller)."""
 
     def addresses(self, partition: str, rows: Sequence[int]) -> Any:
         """What a client needs to reach `rows` of `partition` without asking the plane (small and

@@ -56,6 +56,7 @@ _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _TENSOR, _STR, _BYTES, _JSON, _SHARED = ord("t"), ord("s"), ord("b"), ord("j"), ord("m")
 _HEAD = struct.Struct("<cBB")  # tag, dtype code, number of dimensions
 _SHAPES = [struct.Struct(f"<{n}I") for n in range(9)]
+_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps with a separator builds an encoder per call
 _OFFSET = struct.Struct("<Q")  # a shared row's byte offset in its segment
 
 
@@ -108,7 +109,21 @@ def encode(col: _Column) -> list[bytes]:
             out.append(head + data[start:end])
             start = end
         return out
-    return [_object(v) for v in col.value]
+    return _object_cells(col.value)
+
+
+def _object_cells(values: Sequence[Any]) -> list[bytes]:
+    """The cells of a column of objects, each distinct object encoded once: a source repeats each
+    prompt's objects n times (the addition task's 128 rows of 16 prompts: their extra_info
+    dicts took 0.37 ms, now 0.03). The list holds every value while it runs, so no two share an ``id``."""
+    done: dict[int, bytes] = {}
+    out = []
+    for v in values:
+        cell = done.get(id(v))
+        if cell is None:
+            cell = done[id(v)] = _object(v)
+        out.append(cell)
+    return out
 
 
 def write(col: _Column, buffer: Any, offset: int) -> None:
@@ -289,7 +304,7 @@ def _object(v: Any) -> bytes:
     if type(v) is bytes:
         return b"b" + v
     try:
-        return b"j" + json.dumps(v, separators=(",", ":")).encode()
+        return b"j" + _JSON_ENCODER.encode(v).encode()
     except (TypeError, ValueError) as e:
         raise DataPlaneError(f"a {type(v).__name__} value cannot go through the data plane ({e}); columns of "
                              f"objects hold strings, bytes, numbers, booleans, None and lists and dicts of them") from None

@@ -225,8 +225,9 @@ class RayObjectStoreDataPlane(_RayStoreClient, DataPlane):
         plane._call(plane._tracker.partitions.remote(), "start")
         return plane
 
-    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None) -> None:
-        # homes are ignored: each object already lives on the node of the worker that put it
+    def create_partition(self, partition: str, num_rows: int, homes: Sequence[int] | None = None,
+                         lookup: bool = True) -> None:
+        # homes and lookup are ignored: each object already lives on the node of the worker that put it
         if num_rows < 1:
             raise DataPlaneError(f"partition {partition!r}: num_rows must be >= 1, got {num_rows}")
         problem = self._call(self._tracker.create_partition.remote(partition, int(num_rows)),

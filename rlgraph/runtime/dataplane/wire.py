@@ -148,6 +148,15 @@ class Wire:
             out[unit] = answer.body["data"]
         return out
 
+    def clear(self, requests: Mapping[str, list[int]], timeout_s: float, what: str,
+              watch: Callable[[], list[str]] | None = None) -> None:
+        """Drop rows: per unit id, their global indexes (TQ's own handler answers)."""
+        messages = {unit: self._message(ZMQRequestType.CLEAR_DATA, unit, {"global_indexes": indexes})
+                    for unit, indexes in requests.items()}
+        for unit, answer in self.exchange(messages, timeout_s, what, watch).items():
+            if answer.request_type != ZMQRequestType.CLEAR_DATA_RESPONSE:
+                raise DataPlaneError(f"storage unit {unit} refused to {what}: {answer.body.get('message', answer.body)}")
+
     def _message(self, kind: Any, unit: str, body: dict[str, Any]) -> list[Any]:
         return pack(kind, self._id, unit, body)
 

@@ -94,6 +94,20 @@ def test_a_column_of_only_objects_or_only_strings_decodes_as_row_by_row_would():
     assert back == strings and all(type(v) is str for v in back)
 
 
+def test_an_object_repeated_in_a_column_is_encoded_once_and_decoded_into_rows_of_their_own(monkeypatch):
+    """A source repeats each prompt's objects n times: each distinct object is encoded once; every
+    row still decodes to an object of its own, and equal objects that are not the same are each encoded."""
+    info, twin = {"index": 3, "split": "train"}, {"index": 3, "split": "train"}
+    values = [info] * 4 + [twin, "7", "7"]
+    seen = []
+    real = cells._object
+    monkeypatch.setattr(cells, "_object", lambda v: seen.append(v) or real(v))
+    encoded, back = _round_trip(values, len(values))
+    assert seen == [info, twin, "7"] and seen[1] is twin
+    assert back == values and back[0] is not back[1]
+    assert encoded[0] == encoded[4] == b'j{"index":3,"split":"train"}'
+
+
 def test_objects_are_never_unpickled_and_code_objects_are_refused():
     """A cell is data: an object that only pickle could carry is an error at the put, naming what
     goes instead, and no decode path runs an unpickler."""

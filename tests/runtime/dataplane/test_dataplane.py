@@ -418,6 +418,56 @@ def test_a_client_given_the_driver_s_addresses_asks_the_controller_nothing(tq_pl
         client.close()
 
 
+@pytest.mark.ray
+def test_a_partition_no_client_looks_up_takes_a_cleared_one_s_rows_without_asking_the_controller(tq_plane):
+    # a step's partition (lookup=False: every client is handed its rows' addresses) lies on the rows of
+    # one cleared before, with no request to TQ's controller; nothing of the old rows can be read through it
+    client = tq_plane.handle().connect()
+    try:
+        p, q, r = _part(), _part(), _part()
+        before = _unit_keys(tq_plane)
+        tq_plane.create_partition(p, 4, homes=[1, 1, 0, 1], lookup=False)
+        first = tq_plane.addresses(p, range(4))
+        client.learn(p, range(4), first)
+        client.put(p, [0, 1, 2, 3], {"x": torch.arange(4.0), "t": list("abcd")})
+        assert _same(tq_plane.get(p, (3, 0), ["x"])["x"], torch.tensor([3.0, 0.0]))
+        assert [a - b for a, b in zip(_unit_keys(tq_plane), before)] == [1, 3]
+        tq_plane.clear(p)
+        client.forget(p)
+        assert _unit_keys(tq_plane) == before  # dropped from their units
+        asked = []
+        real = tq_plane._client.async_kv_retrieve_meta
+        tq_plane._client.async_kv_retrieve_meta = lambda *a, **k: asked.append(a) or real(*a, **k)
+        try:
+            tq_plane.create_partition(q, 4, homes=[0, 0, 0, 0], lookup=False)
+            assert asked == []
+            again = tq_plane.addresses(q, range(4))
+            assert sorted(again[0]) == sorted(first[0]) and again[1] == [0, 0, 0, 0]
+            client.learn(q, range(4), again)
+            with pytest.raises(DataPlaneError, match="never written"):
+                client.get(q, (0,), ["x"])
+            client.put(q, [0, 1, 2, 3], {"x": torch.ones(4)})
+            assert [a - b for a, b in zip(_unit_keys(tq_plane), before)] == [4, 0]  # at their new homes
+            assert _same(tq_plane.get(q, (0, 1, 2, 3), ["x"])["x"], torch.ones(4))
+            tq_plane.create_partition(r, 3, lookup=False)  # a size not met before: rows of its own
+            assert len(asked) == 1 and not set(tq_plane.addresses(r, range(3))[0]) & set(first[0])
+        finally:
+            tq_plane._client.async_kv_retrieve_meta = real
+        stranger = tq_plane.handle().connect()  # a client not given the addresses
+        try:
+            with pytest.raises(DataPlaneError, match="are not in partition"):
+                stranger.get(q, (0,), ["x"])
+        finally:
+            stranger.close()
+        with pytest.raises(DataPlaneError, match="the plane's own"):
+            tq_plane.create_partition("rlgraph:block:0", 2)
+        tq_plane.clear(q)
+        tq_plane.clear(r)
+        assert _unit_keys(tq_plane) == before
+    finally:
+        client.close()
+
+
 def _scenario(plane, p):
     """Puts in several shapes and orders, then gets of several row subsets; returns everything read."""
     plane.create_partition(p, 8)
