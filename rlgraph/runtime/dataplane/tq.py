@@ -738,16 +738,11 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
         return tuple(self._unit_nodes)
 
     def clear(self, partition: str) -> None:
+        if partition in self._on_block:
+            self._clear_block(partition)
+            return
         table = self._tables.pop(partition, None)
         self.forget(partition)
-        if partition in self._on_block and table is not None:
-            indexes, homes = table
-            self._manager.clear_cells(_Rows(indexes, rows=range(len(indexes)), homes=homes), self._op_timeout(),
-                                      f"clear partition {partition!r}", self._watch)
-            self._on_block.discard(partition)
-            self._created.discard(partition)
-            self._free.setdefault(len(indexes), collections.deque()).append(indexes)  # freed once the units answered
-            return
         if table is None:  # a partition this plane did not create: TQ finds its rows
             self._run(self._client.async_clear_partition(partition), f"clear partition {partition!r}")
         else:
@@ -755,6 +750,19 @@ class TransferQueueDataPlane(_TQClient, DataPlane):
             self._run(self._clear_known(partition, _Rows(indexes, rows=range(len(indexes)), homes=homes)),
                       f"clear partition {partition!r}")
         self._created.discard(partition)
+
+    def _clear_block(self, partition: str) -> None:
+        """Clear a partition on a block's rows (`_create_on_block`): its rows dropped from their units,
+        then the block freed. A clear that fails keeps the partition as it was (its rows may still hold
+        cells; a later clear sends it again), and its block is never handed to another."""
+        indexes, homes = self._tables[partition]
+        self.forget(partition)
+        self._manager.clear_cells(_Rows(indexes, rows=range(len(indexes)), homes=homes), self._op_timeout(),
+                                  f"clear partition {partition!r}", self._watch)
+        del self._tables[partition]
+        self._on_block.discard(partition)
+        self._created.discard(partition)
+        self._free.setdefault(len(indexes), collections.deque()).append(indexes)  # freed once the units answered
 
     async def _clear_known(self, partition: str, meta: _Rows) -> None:
         """Clear a partition whose rows this plane knows (it created it): the storage units' rows and

@@ -468,6 +468,40 @@ def test_a_partition_no_client_looks_up_takes_a_cleared_one_s_rows_without_askin
         client.close()
 
 
+
+def test_a_failed_clear_of_a_partition_on_a_block_keeps_it_until_a_clear_succeeds(tq_plane):
+    # a clear whose units did not answer leaves the partition (its rows may still hold cells): its block
+    # goes to no new partition, and the next clear drops the rows and frees it
+    p, q, r = _part(), _part(), _part()
+    before = _unit_keys(tq_plane)
+    tq_plane.create_partition(p, 4, lookup=False)
+    first = tq_plane.addresses(p, range(4))
+    tq_plane.put(p, [0, 1, 2, 3], {"x": torch.arange(4.0)})
+    real = tq_plane._manager.clear_cells
+
+    def refused(*a, **k):
+        raise DataPlaneError("storage unit gone")
+
+    tq_plane._manager.clear_cells = refused
+    try:
+        with pytest.raises(DataPlaneError, match="storage unit gone"):
+            tq_plane.clear(p)
+    finally:
+        tq_plane._manager.clear_cells = real
+    with pytest.raises(DataPlaneError, match="already exists"):
+        tq_plane.create_partition(p, 4, lookup=False)
+    assert tq_plane.addresses(p, range(4)) == first
+    tq_plane.create_partition(q, 4, lookup=False)  # not on p's rows
+    assert not set(tq_plane.addresses(q, range(4))[0]) & set(first[0])
+    tq_plane.clear(p)
+    assert sum(_unit_keys(tq_plane)) == sum(before)  # p's rows dropped (q holds none)
+    tq_plane.create_partition(r, 4, lookup=False)  # now on p's block
+    assert tq_plane.addresses(r, range(4))[0] == first[0]
+    tq_plane.clear(q)
+    tq_plane.clear(r)
+    assert _unit_keys(tq_plane) == before
+
+
 def _scenario(plane, p):
     """Puts in several shapes and orders, then gets of several row subsets; returns everything read."""
     plane.create_partition(p, 8)
