@@ -138,8 +138,8 @@ def _nbytes(value: ColumnData) -> int:
         kind = next(iter(kinds))
         if kind is str:
             return len("".join(value).encode())
-        if kind is torch.Tensor:
-            return sum(v.nbytes for v in value)
+        if kind is torch.Tensor:  # as the loop below counts a row tensor
+            return sum(v.numel() * v.element_size() for v in value)
         if kind is bytes:
             return sum(map(len, value))
         if kind in _UNCOUNTED:
