@@ -218,6 +218,11 @@ class TrainerSettings(Section):
     """run a worker group's ops that follow each other (generate -> old_logprob -> ref on the actor) as one
     dispatched call per chunk: the followers run inside the leader's call on its rows, reading its outputs from
     the worker's memory; rlgraph describe lists the fused chains"""
+    malloc_keep_mb: int = Field(256, ge=0)
+    """memory (MiB) a worker's process keeps for reuse once its tensors free it, instead of giving it back to
+    the kernel, with blocks under 32 MiB served from it: each forward pass then reuses the pages of the last
+    rather than faulting in new ones (on a VM a page fault costs more than writing the page). 0: glibc's
+    defaults. Only where the C library is glibc"""
     logger: str = "[console,jsonl,tensorboard]"
     """where metrics go, a list of: console (progress lines), jsonl (DIR/metrics.jsonl, always written),
     tensorboard (DIR/tensorboard), wandb (offline in DIR/wandb unless wandb is set up; pip install

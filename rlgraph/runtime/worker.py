@@ -28,10 +28,12 @@ import torch
 
 from rlgraph.errors import CallOrderError, InvariantError, OpError
 from rlgraph.graph.plan import Plan
+from rlgraph.graph.settings import TrainerSettings
 from rlgraph.rows import Rows, joined, tensors
 from rlgraph.runtime.dataplane import assemble_rows, count_locality, counted_apart, locality_bytes_in_this_process
 from rlgraph.runtime.dataplane.local import LocalColumns
 from rlgraph.runtime.invoke import Invoker
+from rlgraph.runtime.malloc import keep_freed
 from rlgraph.runtime.scheduler import call_token
 from rlgraph.runtime.actor import READ_AHEAD, CallResult, PartResult, read_ahead_ops  # noqa: F401  # re-exported
 from rlgraph.runtime.trace import Span
@@ -290,6 +292,7 @@ class GroupWorker:
         self.plan = Plan.model_validate_json(plan_json)
         self.group, self.rank, self.dp = group, rank, dp
         self.torch_threads = torch_threads(self.plan.group(group).torch_threads)
+        keep_freed(TrainerSettings.of(self.plan).malloc_keep_mb)  # before the models' tensors (`malloc`)
         self.local = LocalColumns()
         self._ended_well = ""  # the `call_token` of the call that ended last, if it ended well
         self.kept, self.private = local_columns(self.plan, group)
