@@ -21,6 +21,9 @@ when the update makes one optimizer step per step). Not matched exactly (what ea
 - threads: TRL runs in one process with torch's default threads (2 here); rlgraph's actor has
   the torch threads of its worker group's CPUs, 2 in the example (every op is on the policy's
   group, which holds both cores);
+- malloc: rlgraph's worker keeps the memory its tensors free for its next pass
+  (``trainer.malloc_keep_mb``, `rlgraph.runtime.malloc`); TRL runs with glibc's defaults, as a
+  user's script does (``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` would set the same);
 - processes: rlgraph runs the actor (which runs the reward, the reference pass and the advantage
   inside generation's call) and TransferQueue's controller (which hosts the storage unit and the
   data source) as processes of their own, and the asynchronous example a rollout worker too; TRL
