@@ -280,11 +280,3 @@ def run_child(module: str, args: Sequence[str], timeout_s: float = 1800) -> dict
     if done.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(args)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def source_actor(source: Any) -> Any:
-    """The Ray actor a data source runs in: its own, or, hosted (``dataplane.host_source``, the
-    default), TransferQueue's controller that hosts it."""
-    from rlgraph.runtime.dataplane.guest import Hosted
-
-    return source.actor if isinstance(source, Hosted) else source

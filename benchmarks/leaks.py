@@ -74,7 +74,7 @@ class _Sampler(Reporter):
             return
         fleet = self.runner.fleet
         if self.pids is None:
-            actors = [w for ws in fleet.workers.values() for w in ws] + [common.source_actor(fleet.source)]
+            actors = [w for ws in fleet.workers.values() for w in ws] + [fleet.source_actor]
             self.pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
         session = Path(ray._private.worker._global_node.get_session_dir_path())
         self.rows.append({"step": step + 1, "driver": _rss([os.getpid()]), "actors": _rss(self.pids),

@@ -54,7 +54,7 @@ def worker_bytes(runner: Runner) -> int:
     """Column payload put or got so far by the run's workers and source actor."""
     import ray
 
-    actors = [w for ws in runner.fleet.workers.values() for w in ws] + [common.source_actor(runner.fleet.source)]
+    actors = [w for ws in runner.fleet.workers.values() for w in ws] + [runner.fleet.source_actor]
     fn = lambda self: __import__("rlgraph.runtime.dataplane", fromlist=["x"]).payload_bytes_in_this_process()  # noqa: E731
     return int(sum(ray.get([a.__ray_call__.remote(fn) for a in actors])))
 

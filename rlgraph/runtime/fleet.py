@@ -284,6 +284,11 @@ class Fleet:
         self.source = ray.remote(SourceWorker).options(num_cpus=0).remote(self._plan_json, handle)
         self._source_hosted = False
 
+    @property
+    def source_actor(self) -> Any:
+        """The Ray actor the data source runs in: its own, or, hosted, the data plane's controller."""
+        return self.source.actor if self._source_hosted else self.source
+
     def _stop_source(self) -> None:
         """Kill the source's actor; a hosted source is closed and let go of by its host (the plane's
         controller), waited for a few seconds at most."""
