@@ -150,9 +150,11 @@ def test_a_lost_node_is_survived_when_the_nodes_left_can_hold_the_plan(three_nod
 @pytest.mark.faults
 def test_a_lost_node_the_plan_cannot_do_without_stops_the_run_with_node_lost(three_nodes, tmp_path):
     # the loss is noticed when a call needs the dead reward rank (its pool sends each call to the least
-    # loaded idle rank, so the others may finish a step without it): steps enough that one does
+    # loaded idle rank, so the others may finish a step without it): steps enough that one does, and
+    # that the run is still going once the node's processes are dead (a second or two after the removal;
+    # six steps of ~0.15 s once ended before that, on a loaded machine); the loss ends it well before the last
     proc = _start(tmp_path / "run", "--address", three_nodes.address, *SPREAD,
-                  "groups.reward.placement=strict_spread", "dataplane.storage_units=1", steps=6)
+                  "groups.reward.placement=strict_spread", "dataplane.storage_units=1", steps=30)
     killed = _kill_a_worker_node_during_step_1(three_nodes, proc, tmp_path / "run")
     text, _ = proc.communicate(timeout=600)
     took = time.time() - killed
