@@ -147,10 +147,11 @@ def test_run_joins_an_existing_cluster_with_address(ray_cluster, tmp_path):
 def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path):
     """SIGKILL the whole run (driver, Ray, TransferQueue: everything in its process group) after
     step 1's checkpoint; `rlgraph run --resume` continues, and the later steps match an uninterrupted run
-    (eight steps: a loaded machine may let the killed run go a few steps past step 1 before the kill lands)."""
+    (`steps` of them: a loaded machine may let the killed run go a few steps past step 1 before the kill lands)."""
     over = ["gen.n=3", "groups.actor.dp=2", "trainer.save_every=1"]
+    steps = 8
     full, cut = tmp_path / "full", tmp_path / "cut"
-    subprocess.run([RLGRAPH, "run", PIPELINE, "-o", str(full), "--steps", "8", *over], env=_env(), check=True,
+    subprocess.run([RLGRAPH, "run", PIPELINE, "-o", str(full), "--steps", str(steps), *over], env=_env(), check=True,
                    capture_output=True, timeout=300)
     log = (tmp_path / "log.txt").open("w")
     proc = subprocess.Popen([RLGRAPH, "run", PIPELINE, "-o", str(cut), "--steps", "500", *over], env=_env(),
@@ -172,9 +173,9 @@ def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     done = [json.loads(ln)["step"] for ln in (cut / "metrics.jsonl").read_text().splitlines()]
     assert done[:2] == [0, 1]  # maybe more: it was killed at some point after step 1's checkpoint
-    assert done[-1] < 7, f"the killed run had done steps {done} before the kill: nothing left to resume"
-    res = subprocess.run([RLGRAPH, "run", PIPELINE, "-o", str(cut), "--steps", "8", "--resume", *over], env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    assert done[-1] < steps - 1, f"the killed run had done steps {done} before the kill: nothing left to resume"
+    res = subprocess.run([RLGRAPH, "run", PIPELINE, "-o", str(cut), "--steps", str(steps), "--resume", *over],
+                         env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
 
     def stable(path):
@@ -183,5 +184,5 @@ def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path):
                 for r in recs]
 
     resumed, uninterrupted = stable(cut / "metrics.jsonl"), stable(full / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(8))
+    assert [r["step"] for r in resumed] == list(range(steps))
     assert resumed == uninterrupted
