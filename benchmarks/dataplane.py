@@ -3,15 +3,20 @@
 From the benchmark's process (a client like any worker), for dense and ragged float32 columns
 of several sizes: put then get of the whole column, `repeats` times on a fresh partition each;
 throughput is column bytes / median time, latency the median time of one call. The memcpy
-row copies the same tensor (or the same per-row tensors) in memory: the ceiling.
+row copies the same tensor (or the same per-row tensors) in memory with libc's ``memcpy``, one
+call a tensor on one thread: the plain memcpy the issue holds the planes against. torch's
+``copy_`` of the same tensors, which splits a large copy over the process's torch threads (two
+here), is a row of its own.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,7 +59,45 @@ def time_plane(plane: Any, col: Any, rows: int, repeats: int) -> tuple[float, fl
     return statistics.median(puts), statistics.median(gets)
 
 
-def time_memcpy(col: Any, repeats: int, cold: bool = False) -> float:
+@functools.cache
+def _libc_memcpy() -> Callable[[int, int, int], Any]:
+    """libc's ``memcpy`` (ctypes' own ``memmove`` where libc cannot be found: glibc's two share their
+    code on x86-64)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return ctypes.memmove
+    fn = ctypes.CDLL(name).memcpy
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+    return fn
+
+
+def copy_plain(dst: Any, col: Any) -> None:
+    """A plain memcpy of `col` (a tensor, or a list of per-row tensors, contiguous) into `dst`: one
+    libc ``memcpy`` a tensor, on the calling thread."""
+    memcpy = _libc_memcpy()
+    if isinstance(col, torch.Tensor):
+        memcpy(dst.data_ptr(), col.data_ptr(), nbytes(col))
+        return
+    for d, c in zip(dst, col):
+        memcpy(d.data_ptr(), c.data_ptr(), c.numel() * c.element_size())
+
+
+def torch_row() -> str:
+    """The name of the row of torch's ``copy_``, with the threads it splits a large copy over."""
+    n = torch.get_num_threads()
+    return f"torch copy_, {n} thread{'s' if n > 1 else ''}"
+
+
+def copy_torch(dst: Any, col: Any) -> None:
+    """torch's ``copy_``: a large tensor's copy split over the process's torch threads."""
+    if isinstance(col, torch.Tensor):
+        dst.copy_(col)
+        return
+    for d, c in zip(dst, col):
+        d.copy_(c)
+
+
+def time_memcpy(col: Any, repeats: int, cold: bool = False, copy: Callable[[Any, Any], None] = copy_plain) -> float:
     """Copy into already allocated memory (a fresh allocation would add page faults): the same
     destination each time, or with `cold`, destinations in turn that together exceed the last-level
     cache twice over, so that each copy writes memory the cache does not hold, as a put's copy into a
@@ -65,11 +108,7 @@ def time_memcpy(col: Any, repeats: int, cold: bool = False) -> float:
     for k in range(repeats + count):
         dst = dsts[k % count]
         t0 = time.perf_counter()
-        if isinstance(col, torch.Tensor):
-            dst.copy_(col)
-        else:
-            for d, c in zip(dst, col):
-                d.copy_(c)
+        copy(dst, col)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[count:])
 
@@ -123,6 +162,7 @@ SHARED = "TransferQueue + shared memory"
 BYTES = "TransferQueue, bytes only"
 RAY = "Ray object store"
 COLD = "memcpy into memory not in the cache"
+FRESH = "memcpy into new memory"
 
 
 def time_fresh_copy(col: Any, repeats: int) -> float:
@@ -133,14 +173,18 @@ def time_fresh_copy(col: Any, repeats: int) -> float:
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         # the last copy is still held while the next is made, as `time_plane` holds the last get's
-        if isinstance(col, torch.Tensor):
-            new = torch.empty_like(col).copy_(col)
-        else:
-            new = [torch.empty_like(c).copy_(c) for c in col]
+        new = torch.empty_like(col) if isinstance(col, torch.Tensor) else [torch.empty_like(c) for c in col]
+        copy_plain(new, col)
         times.append(time.perf_counter() - t0)
         out = new
     del out
     return statistics.median(times[1:])
+
+
+def _against(found: dict[str, tuple[float, float]], backends: list[str], ref: str) -> str:
+    """Each backend's put and get as a share of copy `ref`'s speed."""
+    return "; ".join(f"{name} put {found[ref][0] / found[name][0]:.1%} and get {found[ref][0] / found[name][1]:.1%}"
+                     for name in backends)
 
 
 def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.Section:
@@ -158,33 +202,28 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
             col = make_column(kind, rows, width)
             b = nbytes(col)
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in planes}
-            copies, cold_copies = [], []
+            copies, torch_copies, cold_copies = [], [], []
             for _ in range(3):  # the backends and the copies alternate: the machine's noise falls on all of them
                 for name, plane in planes.items():
                     # small columns take a few ms a round: more rounds for a steadier median of the fixed cost
-                    rounds = max(1, repeats // 2) if b >= 1_000_000 else 4 * repeats
+                    rounds = repeats if b >= 1_000_000 else 4 * repeats
                     times[name].append(time_plane(plane, col, rows, rounds))
                 copies.append(time_memcpy(col, repeats * 4))
+                torch_copies.append(time_memcpy(col, repeats * 4, copy=copy_torch))
                 if b >= 1_000_000:
                     cold_copies.append(time_memcpy(col, repeats * 2, cold=True))
+            found = {name: (statistics.median(x[0] for x in times[name]), statistics.median(x[1] for x in times[name]))
+                     for name in planes}
             cp = statistics.median(copies)
-            for name in planes:
-                put = statistics.median(x[0] for x in times[name])
-                get = statistics.median(x[1] for x in times[name])
-                t.add(kind, f"{rows} x {width}", b, name, b / put / 1e6, b / get / 1e6, 1000 * put, 1000 * get,
-                      f"{cp / put:.1%}", f"{cp / get:.1%}")
-                summary.setdefault((kind, b), {})[name] = (put, get)
-            t.add(kind, f"{rows} x {width}", b, "memcpy", b / cp / 1e6, b / cp / 1e6, 1000 * cp, 1000 * cp, "", "")
-            summary[(kind, b)]["memcpy"] = (cp, cp)
+            found["memcpy"] = (cp, cp)
+            found[torch_row()] = (statistics.median(torch_copies),) * 2
             if cold_copies:
-                cold = statistics.median(cold_copies)
-                t.add(kind, f"{rows} x {width}", b, COLD, b / cold / 1e6, b / cold / 1e6, 1000 * cold, 1000 * cold,
-                      f"{cp / cold:.1%}", f"{cp / cold:.1%}")
-                summary[(kind, b)][COLD] = (cold, cold)
-            fresh = time_fresh_copy(col, repeats)
-            t.add(kind, f"{rows} x {width}", b, "memcpy into new memory", b / fresh / 1e6, b / fresh / 1e6,
-                  1000 * fresh, 1000 * fresh, f"{cp / fresh:.1%}", f"{cp / fresh:.1%}")
-            summary[(kind, b)]["memcpy into new memory"] = (fresh, fresh)
+                found[COLD] = (statistics.median(cold_copies),) * 2
+            found[FRESH] = (time_fresh_copy(col, repeats),) * 2
+            for name, (put, get) in found.items():
+                ratios = ("", "") if name == "memcpy" else (f"{cp / put:.1%}", f"{cp / get:.1%}")
+                t.add(kind, f"{rows} x {width}", b, name, b / put / 1e6, b / get / 1e6, 1000 * put, 1000 * get, *ratios)
+            summary[(kind, b)] = found
             print(f"  {kind} {rows}x{width}: " + ", ".join(f"{k} put {v[0] * 1e3:.2f} ms get {v[1] * 1e3:.2f} ms"
                                                          for k, v in summary[(kind, b)].items()), flush=True)
     t.print()
@@ -194,17 +233,19 @@ Put then get of one float32 column for all rows of a fresh partition, from the b
 process (a data-plane client like any worker; the planes' storage runs in Ray actors on the same
 machine). Dense: a `[rows, width]` tensor; ragged: one tensor per row, log-normal lengths with mean
 `width`. Median over the repeats after one warm-up round (columns under 1 MB: {4 * repeats} rounds a turn,
-larger ones {max(1, repeats // 2)}), the backends taking turns three times; MB = 10^6
-bytes. memcpy: `copy_()` of the same tensor(s) into memory allocated beforehand (put and get
-columns show the same copy), timed in each turn between the backends'; "/ memcpy" is memcpy's time
-over the backend's. "{COLD}" (columns of 1 MB or more) copies into destinations in
-turn that together exceed twice the last-level cache ({_cache_bytes() >> 20} MiB here), so that each copy
-writes memory the cache does not hold, as a put's copy into its segment does; memcpy into the same
-destination finds both tensors in the cache when they fit (16.8 MB twice: 33.6 MB). "memcpy into new
-memory" allocates the destination each time, holding the last copy while it makes the next, as
-the get rows hold the last get: a get that returns new tensors must write fresh memory, and on
-this machine (a VM) the first touch of a page the allocator has not reused costs about 2.5 us, more
-than copying it.
+larger ones {repeats}), the backends taking turns three times; MB = 10^6
+bytes. memcpy: a plain memcpy of the same tensor(s) into memory allocated beforehand (libc's
+`memcpy`, one call a tensor, on one thread; put and get columns show the same copy), timed in each
+turn between the backends'; "/ memcpy" is memcpy's time over the backend's. "{torch_row()}" copies
+the same way with torch's `copy_()`, which splits a large copy over the process's torch threads
+(a put's copy into its segment is shared by two threads too, from 4 MiB). "{COLD}" (columns of 1 MB
+or more) copies into destinations in turn that together exceed twice the last-level cache
+({_cache_bytes() >> 20} MiB here), so that each copy writes memory the cache does not hold, as a put's copy
+into its segment does; memcpy into the same destination finds both tensors in the cache when they
+fit (16.8 MB twice: 33.6 MB). "{FRESH}" allocates the destination each time, holding the last copy
+while it makes the next, as the get rows hold the last get: a get that returns new tensors must
+write fresh memory, and on this machine (a VM) the first touch of a page the allocator has not
+reused costs about 2.5 us, more than copying it.
 {SHARED}: the default on one node, where tensor columns of at least 64 KiB go through `/dev/shm`
 (`rlgraph.runtime.dataplane.shm`): a put writes them into a segment, a get maps it (no copy; the
 time includes filling the mapping's page tables, about 1 ms for 16 MB here); {BYTES}: the same plane with that switched off
@@ -215,14 +256,10 @@ time includes filling the mapping's page tables, about 1 ms for 16 MB here); {BY
              f"(target < 1 ms)."]
     for kind in ("dense", "ragged"):
         big = max(k for k in summary if k[0] == kind)
-        cp = summary[big]["memcpy"][0]
-        notes.append(f"Largest {kind} column ({big[1] / 1e6:.1f} MB): " + "; ".join(
-            f"{name} put {cp / v[0]:.1%} and get {cp / v[1]:.1%} of memcpy"
-            for name, v in summary[big].items() if not name.startswith("memcpy"))
-            + f" (target 25%); memcpy into new memory {cp / summary[big]['memcpy into new memory'][0]:.1%}"
-            + (f"; against {COLD}: " + "; ".join(
-                f"{name} put {summary[big][COLD][0] / v[0]:.1%} and get {summary[big][COLD][0] / v[1]:.1%}"
-                for name, v in summary[big].items() if not name.startswith("memcpy")) if COLD in summary[big] else "")
-            + ".")
+        found = summary[big]
+        vs = functools.partial(_against, found, [name for name in found if name in planes])
+        notes.append(f"Largest {kind} column ({big[1] / 1e6:.1f} MB): {vs('memcpy')} of memcpy (target 25%); "
+                     f"{FRESH} {found['memcpy'][0] / found[FRESH][0]:.1%}; against {torch_row()}: "
+                     f"{vs(torch_row())}" + (f"; against {COLD}: {vs(COLD)}" if COLD in found else "") + ".")
     return common.Section("dataplane", "4. Data plane: put and get", intro, [t], " ".join(notes),
                           common.command_line(argv if argv is not None else ["dataplane"] + (["--quick"] if quick else [])))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from benchmarks import common, sim
 
@@ -116,10 +117,23 @@ def test_dataplane_quick(tmp_path, planes):
     rows = table_rows(doc.read_text(), "dataplane")
     shared = {"TransferQueue + shared memory"} if common.plane("transferqueue").uses_shared_memory() else set()
     assert {r[3] for r in rows[2:]} == shared | {"TransferQueue, bytes only", "Ray object store", "memcpy",
-                                                 "memcpy into new memory", dataplane.COLD}
+                                                 dataplane.torch_row(), dataplane.FRESH, dataplane.COLD}
+    # memcpy is the reference: its own ratios are blank, every other row's are filled in
+    assert all((r[8] == "" and r[9] == "") == (r[3] == "memcpy") for r in rows[2:])
     # the copy into memory the cache does not hold, for the columns of 1 MB or more only
     assert {r[2] for r in rows[2:] if r[3] == dataplane.COLD} == {"2,097,152", "2,097,184"}
     assert all(num(r[4]) > 0 and num(r[5]) > 0 for r in rows[2:])
+
+
+def test_dataplane_memcpy_copies_dense_and_ragged_columns():
+    from benchmarks import dataplane
+
+    for kind in ("dense", "ragged"):
+        col = dataplane.make_column(kind, 8, 32)
+        for copy in (dataplane.copy_plain, dataplane.copy_torch):
+            dst = torch.zeros_like(col) if kind == "dense" else [torch.zeros_like(c) for c in col]
+            copy(dst, col)
+            assert all(torch.equal(d, c) for d, c in zip(dst, col))
 
 
 def test_rowloops_quick(tmp_path):
