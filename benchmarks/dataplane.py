@@ -3,8 +3,8 @@
 From the benchmark's process (a client like any worker), for dense and ragged float32 columns
 of several sizes: put then get of the whole column, `repeats` times on a fresh partition each;
 throughput is column bytes / median time, latency the median time of one call. The memcpy
-row copies the same tensor (or the same per-row tensors) in memory with libc's ``memcpy``, one
-call a tensor on one thread: the plain memcpy the issue holds the planes against. torch's
+row copies the same tensor (or the same per-row tensors) in memory with libc's ``memmove`` (its
+memcpy's code), one call a tensor on one thread: the plain memcpy the issue holds the planes against. torch's
 ``copy_`` of the same tensors, which splits a large copy over the process's torch threads (two
 here), is a row of its own.
 """
@@ -12,7 +12,6 @@ here), is a row of its own.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import statistics
 import time
@@ -59,27 +58,15 @@ def time_plane(plane: Any, col: Any, rows: int, repeats: int) -> tuple[float, fl
     return statistics.median(puts), statistics.median(gets)
 
 
-@functools.cache
-def _libc_memcpy() -> Callable[[int, int, int], Any]:
-    """libc's ``memcpy`` (ctypes' own ``memmove`` where libc cannot be found: glibc's two share their
-    code on x86-64)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return ctypes.memmove
-    fn = ctypes.CDLL(name).memcpy
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
-    return fn
-
-
 def copy_plain(dst: Any, col: Any) -> None:
     """A plain memcpy of `col` (a tensor, or a list of per-row tensors, contiguous) into `dst`: one
-    libc ``memcpy`` a tensor, on the calling thread."""
-    memcpy = _libc_memcpy()
+    libc ``memmove`` a tensor (ctypes'; glibc's memmove and memcpy are one routine on x86-64), on the
+    calling thread."""
     if isinstance(col, torch.Tensor):
-        memcpy(dst.data_ptr(), col.data_ptr(), nbytes(col))
+        ctypes.memmove(dst.data_ptr(), col.data_ptr(), nbytes(col))
         return
     for d, c in zip(dst, col):
-        memcpy(d.data_ptr(), c.data_ptr(), c.numel() * c.element_size())
+        ctypes.memmove(d.data_ptr(), c.data_ptr(), c.numel() * c.element_size())
 
 
 def torch_row() -> str:
@@ -161,6 +148,7 @@ class _BytesOnly:
 SHARED = "TransferQueue + shared memory"
 BYTES = "TransferQueue, bytes only"
 RAY = "Ray object store"
+MEMCPY = "memcpy"
 COLD = "memcpy into memory not in the cache"
 FRESH = "memcpy into new memory"
 
@@ -215,17 +203,17 @@ def run(quick: bool = False, argv: list[str] | None = None, **_: Any) -> common.
             found = {name: (statistics.median(x[0] for x in times[name]), statistics.median(x[1] for x in times[name]))
                      for name in planes}
             cp = statistics.median(copies)
-            found["memcpy"] = (cp, cp)
+            found[MEMCPY] = (cp, cp)
             found[torch_row()] = (statistics.median(torch_copies),) * 2
             if cold_copies:
                 found[COLD] = (statistics.median(cold_copies),) * 2
             found[FRESH] = (time_fresh_copy(col, repeats),) * 2
             for name, (put, get) in found.items():
-                ratios = ("", "") if name == "memcpy" else (f"{cp / put:.1%}", f"{cp / get:.1%}")
+                ratios = ("", "") if name == MEMCPY else (f"{cp / put:.1%}", f"{cp / get:.1%}")
                 t.add(kind, f"{rows} x {width}", b, name, b / put / 1e6, b / get / 1e6, 1000 * put, 1000 * get, *ratios)
             summary[(kind, b)] = found
             print(f"  {kind} {rows}x{width}: " + ", ".join(f"{k} put {v[0] * 1e3:.2f} ms get {v[1] * 1e3:.2f} ms"
-                                                         for k, v in summary[(kind, b)].items()), flush=True)
+                                                         for k, v in found.items()), flush=True)
     t.print()
     first = next(iter(planes))
     intro = f"""
@@ -235,7 +223,7 @@ machine). Dense: a `[rows, width]` tensor; ragged: one tensor per row, log-norma
 `width`. Median over the repeats after one warm-up round (columns under 1 MB: {4 * repeats} rounds a turn,
 larger ones {repeats}), the backends taking turns three times; MB = 10^6
 bytes. memcpy: a plain memcpy of the same tensor(s) into memory allocated beforehand (libc's
-`memcpy`, one call a tensor, on one thread; put and get columns show the same copy), timed in each
+`memmove`, glibc's memcpy code, one call a tensor, on one thread; put and get columns show the same copy), timed in each
 turn between the backends'; "/ memcpy" is memcpy's time over the backend's. "{torch_row()}" copies
 the same way with torch's `copy_()`, which splits a large copy over the process's torch threads
 (a put's copy into its segment is shared by two threads too, from 4 MiB). "{COLD}" (columns of 1 MB
@@ -258,8 +246,8 @@ time includes filling the mapping's page tables, about 1 ms for 16 MB here); {BY
         big = max(k for k in summary if k[0] == kind)
         found = summary[big]
         vs = functools.partial(_against, found, [name for name in found if name in planes])
-        notes.append(f"Largest {kind} column ({big[1] / 1e6:.1f} MB): {vs('memcpy')} of memcpy (target 25%); "
-                     f"{FRESH} {found['memcpy'][0] / found[FRESH][0]:.1%}; against {torch_row()}: "
+        notes.append(f"Largest {kind} column ({big[1] / 1e6:.1f} MB): {vs(MEMCPY)} of memcpy (target 25%); "
+                     f"{FRESH} {found[MEMCPY][0] / found[FRESH][0]:.1%}; against {torch_row()}: "
                      f"{vs(torch_row())}" + (f"; against {COLD}: {vs(COLD)}" if COLD in found else "") + ".")
     return common.Section("dataplane", "4. Data plane: put and get", intro, [t], " ".join(notes),
                           common.command_line(argv if argv is not None else ["dataplane"] + (["--quick"] if quick else [])))
